@@ -1,0 +1,466 @@
+"""env.py: the read-only sandbox, result comparison, observations, protocol parsers and episodes.
+
+    python -m pytest -q tests/test_env.py
+"""
+import doctest
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import time
+
+import pytest
+
+import env
+
+RUNAWAYS = {  # each runs for minutes without the timeout
+    "recursive CTE without LIMIT": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                                   "SELECT count(*) FROM c",
+    "3-way cartesian join of a 4,000-row table": "SELECT count(*) FROM city a, city b, city c",
+    "sorted cartesian join": "SELECT a.Name, b.Name FROM city a, city b, city c ORDER BY a.Name || c.Name DESC",
+}
+
+# -----------------------------------------------------------------------------
+# fixtures: private copies of Spider databases, so file-level checks see only what we did
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _temp_files():
+    dirs = {tempfile.gettempdir(), "/tmp", "/var/tmp"}
+    return {f for d in dirs if os.path.isdir(d) for f in os.listdir(d) if f.startswith("etilqs_")}
+
+
+@pytest.fixture
+def pets(spider_dir, tmp_path):
+    dst = tmp_path / "pets_1" / "pets_1.sqlite"
+    dst.parent.mkdir()
+    shutil.copy(spider_dir / "database" / "pets_1" / "pets_1.sqlite", dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def world(spider_dir, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("world_1") / "world_1.sqlite"
+    shutil.copy(spider_dir / "database" / "world_1" / "world_1.sqlite", dst)
+    return dst
+
+
+def _example(spider_dir, db_id, question="How many pets are there?", gold="SELECT count(*) FROM Pets"):
+    return {"id": "t0", "db_id": db_id, "db_path": str(spider_dir / "database" / db_id / f"{db_id}.sqlite"),
+            "question": question, "evidence": "", "gold_sql": gold, "difficulty": "easy", "source": "spider"}
+
+# -----------------------------------------------------------------------------
+# sandbox
+
+
+def test_select_returns_columns_rows_and_no_error(pets):
+    r = env.run_sql(pets, "SELECT PetType, count(*) AS n FROM Pets GROUP BY PetType ORDER BY PetType")
+    assert r.error is None and r.columns == ["PetType", "n"] and r.rows == [("cat", 1), ("dog", 2)]
+    assert not r.truncated and r.elapsed_s >= 0
+
+
+HOSTILE = {
+    "insert": "INSERT INTO Pets VALUES (9999, 'cow', 3, 1.0)",
+    "update": "UPDATE Pets SET weight = 0",
+    "delete": "DELETE FROM Pets",
+    "delete behind WITH": "WITH x AS (SELECT 1) DELETE FROM Pets",
+    "upsert behind WITH": "WITH x AS (SELECT 1) INSERT INTO Pets SELECT * FROM Pets",
+    "drop table": "DROP TABLE Pets",
+    "create table": "CREATE TABLE t (x)",
+    "create temp table": "CREATE TEMP TABLE t (x)",
+    "create index": "CREATE INDEX i ON Pets (weight)",
+    "alter table": "ALTER TABLE Pets ADD COLUMN y",
+    "attach": "ATTACH DATABASE 'other.sqlite' AS other",
+    "detach": "DETACH DATABASE main",
+    "vacuum": "VACUUM",
+    "vacuum into": "VACUUM INTO 'copy.sqlite'",
+    "analyze": "ANALYZE",
+    "reindex": "REINDEX",
+    "begin": "BEGIN IMMEDIATE",
+    "savepoint": "SAVEPOINT s",
+    "pragma set journal_mode": "PRAGMA journal_mode = WAL",
+    "pragma set writable_schema": "PRAGMA writable_schema = ON",
+    "pragma set user_version": "PRAGMA user_version = 7",
+    "pragma database_list (shows the file path)": "PRAGMA database_list",
+    "pragma_database_list table": "SELECT * FROM pragma_database_list",
+    "load_extension": "SELECT load_extension('/tmp/evil.so')",
+    "multi-statement": "SELECT 1; DROP TABLE Pets",
+    "multi-statement behind comment": "SELECT 1 /* x */; DELETE FROM Pets",
+    "randomblob(1e9)": "SELECT randomblob(1e9)",
+    "zeroblob(1e9)": "SELECT zeroblob(1000000000)",
+    "string doubling past the length cap": "SELECT replace(hex(zeroblob(400000)), '0', '00')",
+    "deep expression": "SELECT " + "1 + " * 5000 + "1",
+    "deep parentheses": "SELECT " + "(" * 2000 + "1" + ")" * 2000,
+    "NUL byte": "SELECT 1\x00; DROP TABLE Pets",
+    "lone surrogate": "SELECT '\ud800'",
+    "100k junk": "x" * 100_000,
+    "200k junk": "SELECT " + "(1)," * 50_000,
+    "empty": "",
+    "only a comment": "-- nothing here",
+    "not text (None)": None,
+    "not text (int)": 7,
+    "not text (bytes)": b"SELECT 1",
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_sql_fails_cleanly_and_leaves_the_db_untouched(pets, name):
+    before_hash, before_files, before_tmp = _sha(pets), sorted(os.listdir(pets.parent)), _temp_files()
+    r = env.run_sql(pets, HOSTILE[name], timeout_s=2.0)
+    assert r.error, f"{name} should fail"
+    assert str(pets.parent) not in r.error and "pets_1.sqlite" not in r.error  # errors never show file paths
+    assert _sha(pets) == before_hash
+    assert sorted(os.listdir(pets.parent)) == before_files  # no -journal / -wal / -shm / copies
+    assert _temp_files() <= before_tmp
+    assert not os.path.exists("copy.sqlite") and not os.path.exists("other.sqlite")
+
+
+def test_refusals_name_what_was_refused(pets):
+    assert "PRAGMA journal_mode" in env.run_sql(pets, "PRAGMA journal_mode = WAL").error
+    assert "load_extension" in env.run_sql(pets, "SELECT load_extension('x')").error
+    assert "one statement" in env.run_sql(pets, "SELECT 1; SELECT 2").error
+    assert "too big" in env.run_sql(pets, "SELECT randomblob(1e9)").error
+    assert "DELETE" in env.run_sql(pets, "WITH x AS (SELECT 1) DELETE FROM Pets").error
+
+
+def test_metadata_pragmas_and_sqlite_master_are_allowed(pets):
+    r = env.run_sql(pets, "PRAGMA table_info(Pets)")
+    assert r.error is None and [row[1] for row in r.rows] == ["PetID", "PetType", "pet_age", "weight"]
+    r = env.run_sql(pets, "SELECT name FROM pragma_table_info('Has_Pet')")
+    assert r.error is None and r.rows == [("StuID",), ("PetID",)]
+    r = env.run_sql(pets, "PRAGMA foreign_key_list(Has_Pet)")
+    assert r.error is None and {row[2] for row in r.rows} == {"Pets", "Student"}
+    assert env.run_sql(pets, "PRAGMA index_list('Pets')").error is None
+    r = env.run_sql(pets, "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+    assert r.rows == [("Has_Pet",), ("Pets",), ("Student",)]
+    r = env.run_sql(pets, "  -- look first\nWITH t AS (SELECT 1 AS x) SELECT x FROM t;  /* trailing */ ")
+    assert r.error is None and r.rows == [(1,)]
+
+
+def test_errors_are_sqlites_own_words_and_a_missing_db_is_never_created(pets, tmp_path):
+    r = env.run_sql(pets, "SELECT Wages FROM Pets")
+    assert r.error == "no such column: Wages"
+    missing = tmp_path / "nope" / "nope.sqlite"
+    r = env.run_sql(missing, "SELECT 1")
+    assert r.error and str(tmp_path) not in r.error and not missing.exists()
+
+
+def test_row_cap_marks_the_result_truncated(pets):
+    r = env.run_sql(pets, RUNAWAYS["recursive CTE without LIMIT"].replace("count(*)", "x"), max_rows=100)
+    assert r.error is None and len(r.rows) == 100 and r.truncated
+
+
+def test_result_bytes_are_capped_so_huge_rows_cannot_exhaust_memory(pets):
+    rows_of_900kb = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 10000) "
+                     "SELECT zeroblob(900000) FROM c")
+    r = env.run_sql(pets, rows_of_900kb)  # 9 GB if fetched in full
+    assert r.error is None and r.truncated and len(r.rows) * 900_000 <= env.MAX_RESULT_BYTES + 900_000
+
+
+def test_pragma_functions_join_like_agents_write_them(pets):
+    r = env.run_sql(pets, "SELECT m.name, p.name FROM sqlite_master m JOIN pragma_table_info(m.name) p "
+                          "WHERE m.type = 'table' AND m.name = 'Pets'")
+    assert r.error is None and r.rows == [("Pets", "PetID"), ("Pets", "PetType"), ("Pets", "pet_age"), ("Pets", "weight")]
+
+
+def test_non_utf8_text_is_replaced_not_an_error(tmp_path):
+    db = tmp_path / "latin.sqlite"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE t (name TEXT)")
+        conn.execute("INSERT INTO t VALUES (CAST(x'4dfc6c6c6572' AS TEXT))")  # 'Müller' in latin-1
+    conn.close()
+    r = env.run_sql(db, "SELECT name FROM t")
+    assert r.error is None and r.rows == [("M\ufffdller",)]
+
+
+def test_wal_database_is_read_without_leaving_wal_files(tmp_path):
+    db = tmp_path / "wal.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    conn.commit()
+    conn.close()
+    before = sorted(os.listdir(tmp_path))
+    assert env.run_sql(db, "SELECT x FROM t").rows == [(1,)]
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("name", list(RUNAWAYS))
+def test_runaway_query_times_out(world, name):
+    t0 = time.monotonic()
+    r = env.run_sql(world, RUNAWAYS[name], timeout_s=0.5)
+    assert r.error == "query timed out after 0.5 s"
+    assert time.monotonic() - t0 < 0.5 + 2.0  # generous: exact figures are in `python bench.py env`
+
+
+def test_16_concurrent_runaways_all_return(world):
+    before_hash, before_tmp = _sha(world), _temp_files()
+    jobs = [(world, sql) for sql in RUNAWAYS.values()] * 6  # 18 jobs
+    t0 = time.monotonic()
+    results = env.run_many(jobs[:16], workers=16, timeout_s=0.5)
+    assert time.monotonic() - t0 < 0.5 + 3.0
+    assert [r.error for r in results] == ["query timed out after 0.5 s"] * 16
+    assert _sha(world) == before_hash and _temp_files() <= before_tmp
+    assert sorted(os.listdir(world.parent)) == ["world_1.sqlite"]
+
+
+def test_run_many_keeps_job_order_and_survives_bad_jobs(pets):
+    jobs = [(pets, f"SELECT {i}") for i in range(20)] + ["not a pair", (pets, "DROP TABLE Pets")]
+    results = env.run_many(jobs, workers=2)
+    assert [r.rows for r in results[:20]] == [[(i,)] for i in range(20)]
+    assert results[20].error and results[21].error
+
+# -----------------------------------------------------------------------------
+# result comparison
+
+
+def test_results_match_docstring_examples():
+    failures = doctest.DocTestRunner().run(doctest.DocTestFinder().find(env.results_match)[0], out=lambda s: None)
+    assert failures.failed == 0 and failures.attempted >= 6
+
+
+def test_bird_mode_is_set_equality_with_column_order():
+    assert env.results_match([(1, "a"), (2, "b")], [(2, "b"), (1, "a"), (1, "a")], "bird")
+    assert not env.results_match([("a", 1)], [(1, "a")], "bird")
+    assert env.results_match([], [], "bird")
+    assert not env.results_match([(1,)], [], "bird")
+    assert env.results_match([[1.0]], [(1,)], "bird")  # lists are fine and 1.0 == 1, like Python's set()
+
+
+def test_spider_mode_is_bag_equality_up_to_one_column_permutation():
+    assert env.results_match([("a", 1), ("b", 2)], [(1, "a"), (2, "b")], "spider")
+    assert not env.results_match([(1, "a"), (2, "b")], [("b", 1), ("a", 2)], "spider")  # no single permutation
+    assert not env.results_match([(1,), (1,), (2,)], [(1,), (2,), (2,)], "spider")    # duplicates count
+    assert not env.results_match([(1,), (1,), (2,)], [(1,), (2,)], "spider")            # row counts differ
+    assert not env.results_match([(1, 2)], [(1,)], "spider")                            # column counts differ
+    assert env.results_match([(2,), (1,)], [(1,), (2,)], "spider")
+    assert not env.results_match([(2,), (1,)], [(1,), (2,)], "spider", order_matters=True)
+    assert env.results_match([(2, "x"), (1, "y")], [("x", 2), ("y", 1)], "spider", order_matters=True)
+    assert env.results_match([], [], "spider") and not env.results_match([], [(1,)], "spider")
+    wide = [tuple([7] * 12)] * 3  # identical columns must not blow up the permutation search
+    assert env.results_match(wide, wide, "spider")
+    with pytest.raises(ValueError, match="mode"):
+        env.results_match([], [], "exact")
+
+
+def test_spider_mode_on_real_spider_queries(spider_dir):
+    db = spider_dir / "database" / "concert_singer" / "concert_singer.sqlite"
+    gold = env.run_sql(db, "SELECT Name, Country FROM singer").rows
+    swapped = env.run_sql(db, "SELECT Country, Name FROM singer ORDER BY Age").rows
+    assert env.results_match(swapped, gold, "spider") and not env.results_match(swapped, gold, "bird")
+    fewer = env.run_sql(db, "SELECT Name, Country FROM singer WHERE Age > 30").rows
+    assert not env.results_match(fewer, gold, "spider")
+
+# -----------------------------------------------------------------------------
+# what the agent sees
+
+
+def test_observation_has_header_rows_and_explicit_truncation():
+    rows = [(i, f"name{i}") for i in range(173)]
+    obs = env.format_observation(env.SQLResult(["id", "name"], rows, None, False, 0.0), max_rows=30)
+    lines = obs.splitlines()
+    assert lines[0] == "id | name" and lines[1] == "0 | name0" and len(lines) == 32
+    assert lines[-1] == "... 143 more rows"
+    capped = env.format_observation(env.SQLResult(["id", "name"], rows, None, False, 0.0), max_rows=30, max_chars=60)
+    assert len(capped) < 60 + 80 and "more rows (output limited to 60 characters)" in capped
+    cut = env.format_observation(env.SQLResult(["x"], [(1,)] * 10_000, None, True, 0.0), max_rows=10)
+    assert cut.endswith("... more than 9990 more rows (the result was cut at 10000 rows)")
+    assert env.format_observation(env.SQLResult(["n"], [], None, False, 0.0)) == "n\n(0 rows)"
+    assert env.format_observation(env.SQLResult([], [], "no such table: x", False, 0.0)) == "Error: no such table: x"
+    odd = env.format_observation(env.SQLResult(["a", "b", "c"], [(None, b"\x00\x01", "two\nlines")], None, False, 0))
+    assert odd.splitlines()[1] == "NULL | <blob 2 bytes> | two\\nlines"
+
+
+def test_describe_schema_styles(pets):
+    listed = env.describe_schema(pets, "list")
+    assert listed.startswith("Table: Student\n- StuID (INTEGER, PRIMARY KEY)\n- LName (VARCHAR(12))")
+    assert "Table: Pets\n- PetID (INTEGER, PRIMARY KEY)" in listed
+    assert "Foreign keys:\n- Has_Pet.StuID = Student.StuID\n- Has_Pet.PetID = Pets.PetID" in listed
+    created = env.describe_schema(pets, "create")
+    assert created.count("CREATE TABLE") == 3 and "FOREIGN KEY(PetID) REFERENCES Pets(PetID)" in created
+    assert "- PetType (VARCHAR(20), examples: 'cat', 'dog')" in env.describe_schema(pets, "list", example_values=2)
+    assert "--   PetType: 'cat', 'dog'" in env.describe_schema(pets, "create", example_values=2)
+    with pytest.raises(ValueError, match="style"):
+        env.describe_schema(pets, "yaml")
+
+# -----------------------------------------------------------------------------
+# protocol parsers
+
+
+TOOL = '{"name": "execute_sql_query", "arguments": {"db_id": "pets_1", "sql": "SELECT count(*) FROM Pets"}}'
+JUNK = "<think>" + "a<b>c</d>{" * 10_000  # 100k characters of unbalanced junk
+
+
+def test_trust_well_formed_turns():
+    a = env.parse_trust(f"<think>look</think>\n<action>explore_schema</action>\n<tool_call>\n{TOOL}\n</tool_call>")
+    assert (a.name, a.sql, a.valid) == ("explore_schema", "SELECT count(*) FROM Pets", True)
+    schema = '{"tables": ["Pets"], "columns": {"Pets": ["PetID"]}}'
+    a = env.parse_trust(f"<think>commit</think><action>propose_schema</action><schema>{schema}</schema>")
+    assert a.name == "propose_schema" and a.valid and a.schema == {"tables": ["Pets"], "columns": {"Pets": ["PetID"]},
+                                                                   "joins": []}
+    a = env.parse_trust("<think>done</think><action>confirm_answer</action><answer>\nSELECT 1\n</answer>")
+    assert (a.name, a.sql, a.valid) == ("confirm_answer", "SELECT 1", True)
+    multiline = TOOL.replace("SELECT count(*)", "SELECT\n count(*)")  # raw newline inside a JSON string
+    assert env.parse_trust(f"<think>x</think><action>generate_sql</action><tool_call>{multiline}</tool_call>").sql
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("<think>x</think><action>generate_sql</action><tool_call>{not json}</tool_call>", "not valid JSON"),
+    ("<think>x</think><tool_call>" + TOOL + "</tool_call>", "missing <action>"),
+    ("<think>x</think><action>generate_sql</action><tool_call>" + TOOL, "unclosed <tool_call>"),
+    ("<think>x</think><action>generate_sql</action><tool_call>" + TOOL + "</tool_call><action>confirm_answer"
+     "</action><answer>SELECT 1</answer>", "more than one <action>"),
+    ("<think>x</think><action>generate_sql</action><tool_call>" + TOOL + "</tool_call><answer>SELECT 1</answer>",
+     "more than one content block"),
+    ("<think>x</think><action>generate_sql</action><answer>SELECT 1</answer>", "needs a <tool_call>"),
+    ("<think>x</think><action>run_sql</action><answer>SELECT 1</answer>", "unknown action"),
+    ("<think>x</think><action>confirm_answer</action><answer>  </answer>", "empty SQL"),
+    ('<think>x</think><action>generate_sql</action><tool_call>{"name": "execute_sql_query", "arguments": '
+     '{"db_id": "pets_1", "sql": ""}}</tool_call>', "empty SQL"),
+    ('<think>x</think><action>propose_schema</action><schema>{"tables": "Pets"}</schema>', "<schema> must be"),
+    (JUNK, "unclosed <think>"),
+    (None, "not text"),
+])
+def test_trust_malformed_turns_become_invalid_actions(text, reason):
+    a = env.parse_trust(text)
+    assert a.name == "invalid" and not a.valid and a.sql is None and reason in a.feedback
+    assert len(a.feedback) < 300  # never echoes 100k characters back
+
+
+def test_trust_missing_think_is_carried_out_but_fails_the_format_check():
+    a = env.parse_trust(f"<action>generate_sql</action><tool_call>{TOOL}</tool_call>")
+    assert a.name == "generate_sql" and a.sql and not a.valid and "missing <think>" in a.feedback
+    a = env.parse_trust(f"<think>a</think><think>b</think><action>generate_sql</action><tool_call>{TOOL}</tool_call>")
+    assert not a.valid and "more than one <think>" in a.feedback
+
+
+@pytest.mark.parametrize("proto, think, call, answer", [
+    ("trail", "reasoning", "sql", "solution"), ("skyrl", "think", "sql", "solution")])
+def test_trail_and_skyrl_parsers(proto, think, call, answer):
+    parse = env.PROTOCOLS[proto].parse_turn
+    a = parse(f"<{think}>count</{think}>\n<{call}>SELECT count(*) FROM Pets</{call}>")
+    assert (a.name, a.sql, a.valid) == ("sql", "SELECT count(*) FROM Pets", True)
+    a = parse(f"<{think}>done</{think}><{answer}>SELECT 1;</{answer}>")
+    assert (a.name, a.sql, a.valid) == ("answer", "SELECT 1;", True)
+    assert not parse(f"<{call}>SELECT 1</{call}>").valid and parse(f"<{call}>SELECT 1</{call}>").sql == "SELECT 1"
+    for bad, reason in [(f"<{think}>x</{think}>", "no <"), (f"<{think}>x</{think}><{call}>SELECT 1", "unclosed"),
+                        (f"<{think}>x</{think}><{call}>SELECT 1</{call}><{call}>SELECT 2</{call}>", "more than one"),
+                        (f"<{think}>x</{think}><{call}>SELECT 1</{call}><{answer}>SELECT 1</{answer}>", "more than one"),
+                        (f"<{think}>x</{think}><{call}> </{call}>", "empty SQL"), (JUNK, ""), (12, "not text")]:
+        a = parse(bad)
+        assert a.name == "invalid" and not a.valid and reason in a.feedback
+
+
+def test_mtir_parser_and_rethink_feedback(spider_dir):
+    parse = env.PROTOCOLS["mtir"].parse_turn
+    call = '{"name": "sql-execute_sql_query", "arguments": {"db_name": "pets_1", "sql": "SELECT 1"}}'
+    a = parse(f"<think>check</think>\n<tool_call>\n{call}\n</tool_call>")
+    assert (a.name, a.sql, a.valid) == ("sql", "SELECT 1", True)
+    a = parse("<think>final</think><answer>```sql\nSELECT count(*) FROM Pets\n```</answer>")
+    assert (a.name, a.sql) == ("answer", "SELECT count(*) FROM Pets")
+    assert parse("<think>final</think><answer> ```sql SELECT 2 </answer>").sql == "SELECT 2"  # the paper's unclosed fence
+    assert parse("<think>x</think><tool_call>{bad json</tool_call>").name == "invalid"
+    assert parse(f"<think>x</think><tool_call>{call}</tool_call><answer>SELECT 1</answer>").name == "invalid"
+    ep = env.new_episode(_example(spider_dir, "pets_1"), "mtir", max_turns=3)
+    obs, done = env.step(ep, "I think the answer is 3.")
+    assert not done and "My action is not correct. Let me rethink." in obs and "You have 2 turns left" in obs
+
+
+@pytest.mark.parametrize("proto", sorted(env.PROTOCOLS))
+@pytest.mark.parametrize("schema_mode", env.SCHEMA_MODES)
+def test_prompts_for_every_protocol_and_schema_mode(spider_dir, proto, schema_mode):
+    p = env.PROTOCOLS[proto]
+    msgs = p.build_messages(_example(spider_dir, "pets_1"), schema_mode, 6)
+    assert [m["role"] for m in msgs[:2]] == ["system", "user"]
+    assert "How many pets are there?" in msgs[1]["content"] and "6 turns" in msgs[1]["content"]
+    has_schema = "PetType" in msgs[1]["content"]
+    assert has_schema == (schema_mode == "prompt")
+    if schema_mode == "explore_turn":  # the synthetic explore turn is a well-formed tool call + its observation
+        assert [m["role"] for m in msgs[2:]] == ["assistant", p.obs_role]
+        a = p.parse_turn(msgs[2]["content"])
+        assert a.valid and a.sql == env.SCHEMA_SQL
+        assert "CREATE TABLE Pets" in msgs[3]["content"] and "You have 6 turns left" in msgs[3]["content"]
+    else:
+        assert len(msgs) == 2
+
+# -----------------------------------------------------------------------------
+# episodes on a real Spider database
+
+
+def test_trust_episode_explore_propose_generate_confirm(spider_dir):
+    ep = env.new_episode(_example(spider_dir, "pets_1"), "trust", max_turns=6)
+    explore = ('<think>which tables?</think><action>explore_schema</action><tool_call>{"name": "execute_sql_query", '
+               '"arguments": {"db_id": "../../etc/passwd", "sql": "SELECT name FROM sqlite_master WHERE type = '
+               '\'table\'"}}</tool_call>')
+    obs, done = env.step(ep, explore)
+    assert not done and obs.startswith("name\nStudent\nHas_Pet\nPets") and "You have 5 turns left." in obs
+    propose = ('<think>Pets it is</think><action>propose_schema</action><schema>{"tables": ["Pets"], '
+               '"columns": {"Pets": ["PetID"]}, "joins": []}</schema>')
+    obs, done = env.step(ep, propose)
+    assert "Schema recorded: 1 tables, 1 columns" in obs and "You have 4 turns left." in obs
+    wrong = ('<think>try</think><action>generate_sql</action><tool_call>{"name": "execute_sql_query", "arguments": '
+             '{"db_id": "pets_1", "sql": "SELECT count(*) FROM Pet"}}</tool_call>')
+    obs, done = env.step(ep, wrong)
+    assert obs.startswith("Error: no such table: Pet")
+    right = wrong.replace("FROM Pet\"", "FROM Pets\"")
+    assert env.pending_sql(ep, right) == "SELECT count(*) FROM Pets"
+    obs, done = env.step(ep, right)
+    assert obs.startswith("count(*)\n3\n") and "You have 2 turns left." in obs
+    obs, done = env.step(ep, "<think>3</think><action>confirm_answer</action><answer>SELECT count(*) FROM Pets</answer>")
+    assert (obs, done, ep.stop_reason, ep.final_sql) == (None, True, "answer", "SELECT count(*) FROM Pets")
+    assert ep.propose_turn == 1 and ep.proposed_schema["tables"] == ["Pets"] and ep.num_tool_calls == 3
+    assert ep.turn_valid == [True] * 5 and ep.exec_errors == [None, None, "no such table: Pet", None, None]
+    assert [a.name for a in ep.actions] == ["explore_schema", "propose_schema", "generate_sql", "generate_sql",
+                                            "confirm_answer"]
+    with pytest.raises(ValueError, match="finished episode"):
+        env.step(ep, "<answer>SELECT 1</answer>")
+
+
+def test_episode_runs_out_of_turns_and_accepts_batched_results(spider_dir):
+    ep = env.new_episode(_example(spider_dir, "pets_1"), "trail", max_turns=2, schema_mode="prompt")
+    turn = "<reasoning>look</reasoning><sql>SELECT PetType FROM Pets</sql>"
+    [result] = env.run_many([(ep.example["db_path"], env.pending_sql(ep, turn))], workers=2)
+    obs, done = env.step(ep, turn, result)
+    assert obs.startswith("<observation>\nPetType\ncat\ndog\ndog\n") and "You have 1 turns left." in obs
+    assert "This is your last turn" in obs and not done
+    assert env.pending_sql(ep, "<reasoning>x</reasoning><solution>SELECT 1</solution>") is None
+    obs, done = env.step(ep, "junk " * 20_000)
+    assert (obs, done, ep.stop_reason, ep.final_sql) == (None, True, "max_turns", None)
+    assert ep.turn_valid == [True, False] and ep.num_tool_calls == 1 and ep.propose_turn == -1
+
+
+def test_new_episode_rejects_bad_arguments(spider_dir):
+    ex = _example(spider_dir, "pets_1")
+    with pytest.raises(ValueError, match="unknown protocol"):
+        env.new_episode(ex, "react", 3)
+    with pytest.raises(ValueError, match="schema_mode"):
+        env.new_episode(ex, "trust", 3, schema_mode="full")
+    with pytest.raises(ValueError, match="max_turns"):
+        env.new_episode(ex, "trust", 0)
+
+# -----------------------------------------------------------------------------
+# load_examples
+
+
+def test_load_examples_resolves_paths_and_names_problems(pets, tmp_path):
+    rec = {"id": "1", "db_id": "pets_1", "db_path": "pets_1/pets_1.sqlite", "question": "q", "evidence": "",
+           "gold_sql": "SELECT 1", "difficulty": "easy", "source": "spider"}
+    good = tmp_path / "dev.jsonl"
+    good.write_text(json.dumps(rec) + "\n\n" + json.dumps({**rec, "id": "2", "db_path": str(pets)}) + "\n")
+    exs = env.load_examples(good)
+    assert [e["id"] for e in exs] == ["1", "2"] and all(e["db_path"] == str(pets.resolve()) for e in exs)
+    cases = {"no_field.jsonl": (json.dumps({k: v for k, v in rec.items() if k != "gold_sql"}), "gold_sql"),
+             "no_db.jsonl": (json.dumps({**rec, "db_path": "gone.sqlite"}), "database not found"),
+             "empty.jsonl": ("\n", "no examples"), "bad.jsonl": ("{oops", "not valid JSON")}
+    for fname, (text, msg) in cases.items():
+        (tmp_path / fname).write_text(text)
+        with pytest.raises((ValueError, FileNotFoundError), match=msg):
+            env.load_examples(tmp_path / fname)
+    with pytest.raises(FileNotFoundError, match="examples file not found"):
+        env.load_examples(tmp_path / "missing.jsonl")
