@@ -1,0 +1,354 @@
+"""
+GRPO for multi-turn agents, with TRUST-SQL's dual-track masked advantages (plain PyTorch + torch.distributed).
+
+    adv_full   = group_advantages(full rewards)     -> every sampled token of the trajectory
+    adv_schema = group_advantages(schema rewards)   -> only sampled tokens in turns <= the last propose_schema turn
+    loss       = L_full + λ·L_schema                (TRUST-SQL eqs. 4-6; λ = 0 is plain single-track GRPO)
+
+Each L is the clip-higher PPO surrogate, by default a token-mean over the track's active tokens normalised by the
+GLOBAL count of those tokens (all ranks, all micro-batches), so the update does not depend on how the batch is split.
+
+    python grpo.py            # one dual-track GRPO step on the tiny model with synthetic trajectories
+
+Under torch.distributed pass the bare model (no DDP wrapper; it would average what must be summed) or an FSDP2
+fully_shard'ed one: grpo_step makes each rank's gradient the global one itself.
+"""
+import argparse
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+TRUNCATED = ("max_tokens", "context")  # stop reasons that cut a turn mid-generation; max_turns is a real ending
+
+# -----------------------------------------------------------------------------
+# distributed helpers (no-ops in a single process)
+
+def _world():
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_sum(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if _world() > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=op)
+    return x
+
+
+def _all_max(x: torch.Tensor) -> torch.Tensor:
+    return _all_sum(x, op=dist.ReduceOp.MAX)
+
+
+def _is_fsdp(model) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP2 fully_shard'ed parameters
+
+
+def _sync_grads(model):
+    """Make every rank's gradient the gradient of the global loss. Each rank's loss is already divided by the
+    global normaliser, so the global gradient is the SUM over ranks (DDP and FSDP would average instead)."""
+    W = _world()
+    if W == 1:
+        return
+    if _is_fsdp(model):  # FSDP2 has reduce-scattered with a mean: undo the 1/W
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(W)
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:  # a rank whose rows were all filtered still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+# -----------------------------------------------------------------------------
+# advantages and masks
+
+def group_advantages(rewards, group_size, eps=1e-6, scale_std=True, keep=None):
+    """(r - mean_g) / (std_g + eps) within each group of `group_size` consecutive rows; unbiased std like verl/TRL.
+    scale_std=False skips the division (Dr. GRPO). `keep` (N,) bool leaves rows out of the group statistics
+    (MTIR's trajectory filter); they get advantage 0. A group with zero variance (or one member) gets zeros."""
+    r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1, group_size)  # (num_groups, G)
+    k = torch.ones_like(r, dtype=torch.bool) if keep is None else torch.as_tensor(keep).reshape(-1, group_size)
+    n = k.sum(1, keepdim=True)
+    mean = torch.where(k, r, 0).sum(1, keepdim=True) / n.clamp(min=1)
+    centred = torch.where(k, r - mean, 0)
+    var = centred.pow(2).sum(1, keepdim=True) / (n - 1).clamp(min=1)
+    flat = (var <= 1e-12) | (n < 2)  # nothing to learn from: all equal (or a lone survivor)
+    adv = centred / (var.sqrt() + eps) if scale_std else centred
+    return torch.where(flat | ~k, 0, adv).reshape(-1).float()
+
+
+def schema_track_mask(loss_mask, turn_ids, propose_turn):
+    """Sampled tokens in turns <= the last propose_schema turn (B, T); a row with propose_turn < 0 is empty."""
+    propose_turn = torch.as_tensor(propose_turn, device=turn_ids.device).reshape(-1, 1)  # (B, 1)
+    return loss_mask * ((turn_ids <= propose_turn) & (propose_turn >= 0)).to(loss_mask.dtype)
+
+
+def trajectory_ok(traj) -> bool:
+    """MTIR-style quality rule: every turn well-formed, a final answer, not truncated."""
+    ep = traj.episode
+    return all(ep.turn_valid) and ep.final_sql is not None and traj.stop_reason not in TRUNCATED
+
+# -----------------------------------------------------------------------------
+# the clipped surrogate
+
+def policy_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="token_mean", denom=None):
+    """-min(ratio·A, clip(ratio, 1-eps_low, 1+eps_high)·A), ratio = exp(logp - old_logp); all (B, T).
+
+    agg (how token losses become one number):
+      "token_mean" sum / active tokens (DAPO; long sequences weigh more, every token counts the same)
+      "seq_mean"   mean over sequences of each sequence's token mean (original GRPO)
+      "dr_grpo"    sum / (sequences · a constant length) (Dr. GRPO; no length bias); pass that constant as denom
+    denom: the normaliser (active tokens / active sequences / sequences·length) over the WHOLE step. When None it is
+    this call's count summed over ranks (all-reduce), so per-rank losses add up to the single-process loss.
+    Returns (loss, stats) with clip counts summed over active tokens."""
+    ratio = torch.exp(logp - old_logp)
+    surrogate = torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    per_token = -surrogate * mask  # (B, T)
+    if agg == "token_mean":
+        total = per_token.sum()
+        count = mask.sum()
+    elif agg == "seq_mean":
+        tokens = mask.sum(1)
+        total = (per_token.sum(1) / tokens.clamp(min=1)).sum()
+        count = (tokens > 0).sum().to(mask.dtype)
+    elif agg == "dr_grpo":
+        if denom is None:
+            raise ValueError("agg='dr_grpo' needs denom = num_sequences * max_len (a constant, e.g. the token budget)")
+        total, count = per_token.sum(), None
+    else:
+        raise ValueError(f"unknown agg {agg!r}; use token_mean, seq_mean or dr_grpo")
+    if denom is None:
+        denom = _all_sum(count.detach())
+    loss = total / torch.as_tensor(denom, dtype=total.dtype).clamp(min=1)
+    with torch.no_grad():
+        active = mask > 0
+        stats = {
+            "clip_high": (active & (adv > 0) & (ratio > 1 + eps_high)).sum().item(),  # no gradient: ratio capped
+            "clip_low": (active & (adv < 0) & (ratio < 1 - eps_low)).sum().item(),
+            "approx_kl": (((ratio - 1) - (logp - old_logp)) * mask).sum().item(),  # k3(old || new), summed
+        }
+    return loss, stats
+
+
+def k3_kl(logp, ref_logp):
+    """Per-token k3 estimator of KL(π || π_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+# -----------------------------------------------------------------------------
+# batch building and log-probs
+
+def build_batch(trajs, pad_id=0, device="cpu"):
+    """Right-padded (B, T) tensors from trajectories: input_ids, loss_mask, turn_ids (-1 = prompt/pad), old_logp."""
+    T = max(len(t.token_ids) for t in trajs)
+    pad = lambda xs, v: list(xs) + [v] * (T - len(xs))
+    return {
+        "input_ids": torch.tensor([pad(t.token_ids, pad_id) for t in trajs], dtype=torch.long, device=device),
+        "loss_mask": torch.tensor([pad(t.loss_mask, 0) for t in trajs], dtype=torch.float32, device=device),
+        "turn_ids": torch.tensor([pad(t.turn_ids, -1) for t in trajs], dtype=torch.long, device=device),
+        "old_logp": torch.tensor([pad(t.sample_logprobs, 0.0) for t in trajs], dtype=torch.float32, device=device),
+    }
+
+
+def token_logprobs(model, input_ids, mask, temperature=1.0, with_entropy=False):
+    """log π(x_t | x_<t) at the sampling temperature, (B, T), 0 where mask == 0 (incl. t = 0).
+    The LM head runs only on positions that predict an active token: most of a multi-turn sequence is prompt
+    and observations, and the (positions × vocab) logits are the largest activation."""
+    target = mask[:, 1:] > 0  # position t-1 predicts token t
+    logp = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    if hasattr(model, "lm_head") and hasattr(model, "model") and not _is_fsdp(model):  # HF causal LM: body, then head
+        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1][target]  # (N, D)
+        logits = model.lm_head(hidden).float() / temperature  # (N, V)
+    else:
+        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][target].float() / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, input_ids[:, 1:][target].unsqueeze(1)).squeeze(1) - logz
+    logp[:, 1:][target] = picked
+    if with_entropy:
+        with torch.no_grad():
+            p = torch.softmax(logits, dim=-1)
+            entropy[:, 1:][target] = logz - (p * logits).sum(-1)
+    return logp, entropy
+
+# -----------------------------------------------------------------------------
+# one GRPO update
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8
+    schema_lambda: float = 0.0        # λ of TRUST-SQL eq. 6 (0.25 in the trust recipe); 0 = single track
+    naive_schema_weight: float = 0.0  # ablation: full += w·schema in ONE track (TRUST §5.1 uses 0.25)
+    eps_low: float = 0.2
+    eps_high: float = 0.28            # clip-higher (DAPO): > eps_low lets unlikely good tokens grow
+    agg: str = "token_mean"           # token_mean | seq_mean | dr_grpo (see policy_loss)
+    dr_grpo_len: int = 4096           # Dr. GRPO's constant length normaliser (the token budget)
+    scale_std: bool = True            # False = Dr. GRPO advantages (no std division)
+    adv_eps: float = 1e-6
+    kl_beta: float = 0.0              # k3 KL to a frozen reference model; 0 = off (SQL-Trail, MTIR)
+    temperature: float = 1.0          # sampling temperature: log-probs are recomputed at it
+    micro_batch_size: int = 4
+    ppo_epochs: int = 1               # optimizer steps on the same rollouts; >1 makes the clip matter
+    grad_clip: float = 1.0
+    dynamic_sampling: bool = False    # DAPO: drop groups whose rewards are all equal (zero advantage everywhere)
+    trajectory_filter: bool = False   # MTIR: drop bad-format / unanswered / truncated trajectories
+    mask_truncated: bool = False      # keep truncated trajectories out of the loss (still in group statistics)
+    recompute_old_logp: bool = True   # old policy = current weights before the update (else the sampler's logprobs)
+    pad_id: int = 0
+
+
+def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None):
+    """One GRPO update on group-major trajectories (group g = rows g·G .. g·G+G-1) and their reward dicts
+    (REWARDS output: "full" and "schema"). Under torch.distributed every rank calls it with its own whole groups
+    (any number, even none left after filtering); the returned metrics are global over ranks."""
+    G, N = cfg.group_size, len(trajs)
+    if N % G or len(rewards) != N:
+        raise ValueError(f"{N} trajectories / {len(rewards)} rewards do not form groups of {G}; rollout returns "
+                         "group_size rows per example, group-major")
+    device = next(model.parameters()).device
+    r_full = torch.tensor([r["full"] for r in rewards], dtype=torch.float64)
+    r_schema = torch.tensor([r.get("schema") or 0.0 for r in rewards], dtype=torch.float64)
+    has_schema = any(r.get("schema") is not None for r in rewards)
+    if cfg.naive_schema_weight:  # single track: the schema reward joins the terminal reward
+        r_full, has_schema = r_full + cfg.naive_schema_weight * r_schema, False
+    dual = has_schema and cfg.schema_lambda > 0
+
+    # --- advantages and filters (each filter counts what it removed)
+    keep = torch.tensor([trajectory_ok(t) for t in trajs] if cfg.trajectory_filter else [True] * N, dtype=torch.bool)
+    adv_full = group_advantages(r_full, G, cfg.adv_eps, cfg.scale_std, keep)
+    adv_schema = group_advantages(r_schema, G, cfg.adv_eps, cfg.scale_std, keep) if dual else torch.zeros(N)
+    rows = keep.clone()
+    flat_groups = torch.zeros(N // G, dtype=torch.bool)
+    if cfg.dynamic_sampling:  # DAPO: a group with no signal on any track only dilutes the token mean
+        flat_groups = ((adv_full == 0) & (adv_schema == 0)).reshape(-1, G).all(1)
+        rows &= ~flat_groups.repeat_interleave(G)
+    truncated = torch.tensor([t.stop_reason in TRUNCATED for t in trajs], dtype=torch.bool)
+    if cfg.mask_truncated:
+        truncated &= rows
+    else:
+        truncated[:] = False
+    idx = rows.nonzero().flatten().tolist()
+    counts = _all_sum(torch.tensor([int((~keep).sum()), int(flat_groups.sum()), int(truncated.sum()), len(idx), N],
+                                    device=device))
+    metrics = dict(zip(["filtered_trajectories", "filtered_groups", "masked_truncated", "rows", "trajectories"],
+                       counts.tolist()))
+    metrics |= {"reward_full_mean": r_full.mean().item(), "adv_full_abs_mean": adv_full[rows].abs().mean().item()
+                if idx else 0.0, "adv_full_abs_max": adv_full.abs().max().item()}
+    if dual:
+        metrics |= {"reward_schema_mean": r_schema.mean().item(), "adv_schema_abs_max": adv_schema.abs().max().item()}
+    if metrics["rows"] == 0:  # every rank filtered everything: nothing to learn this step
+        return metrics | {"loss": 0.0, "tokens": 0, "skipped": True}
+
+    # --- batch of the kept rows, split into micro-batches
+    batch = build_batch([trajs[i] for i in idx] or [SimpleNamespace(token_ids=[cfg.pad_id], loss_mask=[0],
+                                                                    turn_ids=[-1], sample_logprobs=[0.0])],
+                        cfg.pad_id, device)
+    batch["loss_mask"] *= (~truncated[idx]).float().to(device).unsqueeze(1) if idx else 0.0
+    propose = torch.tensor([trajs[i].episode.propose_turn for i in idx] or [-1], device=device)
+    batch["schema_mask"] = schema_track_mask(batch["loss_mask"], batch["turn_ids"], propose) if dual else \
+        torch.zeros_like(batch["loss_mask"])
+    batch["adv_full"] = adv_full[idx or [0]].to(device).unsqueeze(1) * batch["loss_mask"]  # (B, T) per-row
+    batch["adv_schema"] = adv_schema[idx or [0]].to(device).unsqueeze(1) * batch["schema_mask"]
+    micro = [slice(s, s + cfg.micro_batch_size) for s in range(0, len(idx), cfg.micro_batch_size)]
+    if _is_fsdp(model):  # FSDP runs collectives in every forward: all ranks need the same number of micro-batches
+        n_micro = int(_all_max(torch.tensor(max(len(micro), 1), device=device)).item())
+        micro += [slice(0, 1)] * (n_micro - len(micro))  # extra passes over row 0 (all-zero mask if no rows)
+
+    # --- global normalisers for the whole step (all micro-batches, all ranks)
+    def denom(mask):
+        if cfg.agg == "token_mean":
+            n = mask.sum()
+        elif cfg.agg == "seq_mean":
+            n = (mask.sum(1) > 0).sum().float()
+        else:
+            n = torch.tensor(float(mask.shape[0] * cfg.dr_grpo_len), device=device) if idx else mask.sum() * 0
+        return n
+    n_full, n_schema, tokens, schema_tokens = _all_sum(torch.stack([
+        denom(batch["loss_mask"]), denom(batch["schema_mask"]), batch["loss_mask"].sum(),
+        batch["schema_mask"].sum()]).float()).tolist()
+
+    ref_logp = []
+    if cfg.kl_beta > 0:
+        if ref_model is None:
+            raise ValueError("kl_beta > 0 needs ref_model (a frozen copy of the initial policy)")
+        with torch.no_grad():
+            ref_logp = [token_logprobs(ref_model, batch["input_ids"][m], batch["loss_mask"][m], cfg.temperature)[0]
+                        for m in micro]
+
+    was_training = model.training
+    model.train()
+    old_logp = [None] * len(micro)
+    sums = dict(loss_full=0.0, loss_schema=0.0, kl_ref=0.0, clip_high=0.0, clip_low=0.0, approx_kl=0.0,
+                entropy=0.0, sampler_kl=0.0)
+    grad_norm = 0.0
+    for epoch in range(cfg.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        for j, m in enumerate(micro):
+            padding = j * cfg.micro_batch_size >= len(idx)  # an FSDP filler pass: forward/backward, zero loss
+            mask = batch["loss_mask"][m] * (not padding)
+            logp, ent = token_logprobs(model, batch["input_ids"][m], mask, cfg.temperature, with_entropy=epoch == 0)
+            if old_logp[j] is None:
+                # the first pass runs on the pre-update weights, so its own log-probs ARE the old policy's
+                old_logp[j] = logp.detach() if cfg.recompute_old_logp else batch["old_logp"][m]
+                sums["entropy"] += (ent * mask).sum().item()
+                sums["sampler_kl"] += (k3_kl(batch["old_logp"][m], logp.detach()) * mask).sum().item()  # KL(q || π)
+            loss_full, st = policy_loss(logp, old_logp[j], batch["adv_full"][m], mask, cfg.eps_low, cfg.eps_high,
+                                        cfg.agg, n_full)
+            loss = loss_full
+            if dual:
+                loss_schema, _ = policy_loss(logp, old_logp[j], batch["adv_schema"][m], batch["schema_mask"][m] * mask,
+                                             cfg.eps_low, cfg.eps_high, cfg.agg, n_schema)
+                loss = loss + cfg.schema_lambda * loss_schema
+                sums["loss_schema"] += loss_schema.item()
+            if cfg.kl_beta > 0:
+                kl = (k3_kl(logp, ref_logp[j]) * mask).sum() / max(tokens, 1)  # token-mean over the whole step
+                loss = loss + cfg.kl_beta * kl
+                sums["kl_ref"] += kl.item()
+            if loss.requires_grad:  # micro-batch losses already carry the global normaliser: they just add up
+                loss.backward()
+            sums["loss_full"] += loss_full.item()
+            for k in ("clip_high", "clip_low", "approx_kl"):
+                sums[k] += st[k]
+        _sync_grads(model)
+        grad_norm += torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        optimizer.step()
+    model.train(was_training)
+
+    total = dict(zip(sums, _all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()))
+    E = cfg.ppo_epochs
+    metrics |= {
+        "loss_full": total["loss_full"] / E, "loss_schema": total["loss_schema"] / E, "kl_ref": total["kl_ref"] / E,
+        "grad_norm": grad_norm / E, "clip_frac_high": total["clip_high"] / max(tokens * E, 1),
+        "clip_frac_low": total["clip_low"] / max(tokens * E, 1), "approx_kl": total["approx_kl"] / max(tokens * E, 1),
+        "entropy": total["entropy"] / max(tokens, 1), "sampler_kl": total["sampler_kl"] / max(tokens, 1),
+        "tokens": int(tokens), "schema_tokens": int(schema_tokens), "skipped": False,
+    }
+    metrics["loss"] = metrics["loss_full"] + cfg.schema_lambda * metrics["loss_schema"]
+    return metrics
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    from model import load_model
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--schema-lambda", type=float, default=0.25)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    model, tok = load_model("tiny", seed=args.seed)
+    G, T, P = args.group_size, args.seq_len, args.seq_len // 4
+    trajs, rewards = [], []
+    for i in range(2 * G):  # two groups of synthetic 2-turn trajectories: turn 0 proposes, turn 1 answers
+        turn = [-1] * P + [0] * ((T - P) // 2) + [1] * (T - P - (T - P) // 2)
+        ep = SimpleNamespace(propose_turn=0, turn_valid=[True, True], final_sql="SELECT 1")
+        trajs.append(SimpleNamespace(token_ids=torch.randint(0, len(tok), (T,)).tolist(), turn_ids=turn,
+                                     loss_mask=[int(t >= 0) for t in turn], sample_logprobs=[0.0] * T,
+                                     episode=ep, stop_reason="answer"))
+        rewards.append({"full": float(i % 3 == 0) + 0.1, "schema": float(i % 2)})
+    cfg = GRPOConfig(group_size=G, schema_lambda=args.schema_lambda)
+    metrics = grpo_step(model, torch.optim.AdamW(model.parameters(), lr=1e-5), trajs, rewards, cfg)
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
