@@ -16,6 +16,7 @@ import sqlite3
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +34,15 @@ PROGRESS_OPS = 20_000           # VM instructions between deadline checks (~0.1-
 READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
                 "foreign_key_list"}  # metadata only; database_list is left out because it shows the file path
 FIRST_WORDS = ("SELECT", "WITH", "VALUES", "PRAGMA", "EXPLAIN")
+# The first word after whitespace and comments. Linear time on hostile input: the group can match empty, so the
+# regex never fails and never backtracks; an unclosed /* comment runs to the end.
+FIRST_WORD = re.compile(r"(?:\s+|--[^\n]*|/\*.*?(?:\*/|\Z))*(\w{0,40})", re.S)
 ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE}
+_ACTION_NAMES = {getattr(sqlite3, f"SQLITE_{k}"): k.replace("_", " ") for k in (
+    "CREATE_INDEX CREATE_TABLE CREATE_TEMP_INDEX CREATE_TEMP_TABLE CREATE_TEMP_TRIGGER CREATE_TEMP_VIEW "
+    "CREATE_TRIGGER CREATE_VIEW DELETE DROP_INDEX DROP_TABLE DROP_TEMP_INDEX DROP_TEMP_TABLE DROP_TEMP_TRIGGER "
+    "DROP_TEMP_VIEW DROP_TRIGGER DROP_VIEW INSERT TRANSACTION UPDATE ATTACH DETACH ALTER_TABLE REINDEX ANALYZE "
+    "CREATE_VTABLE DROP_VTABLE SAVEPOINT").split()}
 
 
 @dataclass
@@ -43,24 +52,6 @@ class SQLResult:
     error: str | None
     truncated: bool
     elapsed_s: float
-
-
-def _first_word(sql):
-    """The first keyword after leading whitespace and comments ('' if none), without any regex backtracking."""
-    i, n = 0, len(sql)
-    while i < n:
-        if sql[i].isspace():
-            i += 1
-        elif sql.startswith("--", i):
-            j = sql.find("\n", i)
-            i = n if j < 0 else j + 1
-        elif sql.startswith("/*", i):
-            j = sql.find("*/", i + 2)
-            i = n if j < 0 else j + 2
-        else:
-            break
-    word = re.match(r"\w*", sql[i:i + 40]).group()
-    return word.upper() if word else sql[i:i + 1]
 
 
 def _authorizer(denied):
@@ -80,17 +71,11 @@ def _authorizer(denied):
     return auth
 
 
-_ACTION_NAMES = {getattr(sqlite3, f"SQLITE_{k}"): k.replace("_", " ") for k in (
-    "CREATE_INDEX CREATE_TABLE CREATE_TEMP_INDEX CREATE_TEMP_TABLE CREATE_TEMP_TRIGGER CREATE_TEMP_VIEW "
-    "CREATE_TRIGGER CREATE_VIEW DELETE DROP_INDEX DROP_TABLE DROP_TEMP_INDEX DROP_TEMP_TABLE DROP_TEMP_TRIGGER "
-    "DROP_TEMP_VIEW DROP_TRIGGER DROP_VIEW INSERT TRANSACTION UPDATE ATTACH DETACH ALTER_TABLE REINDEX ANALYZE "
-    "CREATE_VTABLE DROP_VTABLE SAVEPOINT").split()}
-
-
+@contextmanager
 def _open(db_path, deadline, denied, timed_out):
-    """A read-only, locked-down connection. mode=ro refuses writes; immutable=1 also skips locking and never creates
-    -journal/-wal/-shm files (datasets are static). Only a db with a -wal file beside it is opened without immutable,
-    so that SQLite reads the pages still in its WAL."""
+    """A read-only, locked-down connection, always closed on exit (an unclosed one is how temp files pile up).
+    mode=ro refuses writes; immutable=1 also skips locking and never creates -journal/-wal/-shm files (datasets are
+    static). Only a db with a -wal file beside it is opened without immutable, so SQLite reads the pages in its WAL."""
     path = os.path.abspath(os.fspath(db_path))
     immutable = "" if os.path.exists(path + "-wal") else "&immutable=1"
     try:
@@ -118,10 +103,9 @@ def _open(db_path, deadline, denied, timed_out):
                 return 1  # non-zero interrupts the statement
             return 0
         conn.set_progress_handler(progress, PROGRESS_OPS)
-    except BaseException:
+        yield conn
+    finally:
         conn.close()
-        raise
-    return conn
 
 
 @lru_cache(maxsize=4096)
@@ -129,8 +113,8 @@ def _uri(abs_path):  # percent-encodes odd characters; cached because it is ~15%
     return Path(abs_path).as_uri()
 
 
-def _fetch(cur, max_rows):
-    rows, nbytes, truncated = [], 0, False
+def _fetch(conn, sql, max_rows):
+    cur, rows, nbytes, truncated = conn.execute(sql), [], 0, False
     for row in cur:
         if len(rows) >= max_rows or nbytes > MAX_RESULT_BYTES:
             truncated = True
@@ -139,62 +123,55 @@ def _fetch(cur, max_rows):
             if v.__class__ is str or v.__class__ is bytes:
                 nbytes += len(v)
         rows.append(row)
-    return rows, truncated
+    return [d[0] for d in cur.description or []], rows, truncated
+
+
+def _refusal(sql):
+    """Why `sql` is refused before SQLite sees it, or None."""
+    if not isinstance(sql, str):
+        return f"the query must be text, got {type(sql).__name__}"
+    if len(sql) > MAX_SQL_CHARS:
+        return f"query too long ({len(sql)} characters, limit {MAX_SQL_CHARS})"
+    if "\x00" in sql:
+        return "the query contains a NUL character"
+    m = FIRST_WORD.match(sql)
+    word = m.group(1).upper() or sql[m.end():m.end() + 1]
+    if word == "":
+        return "empty query: write one SELECT statement"
+    if word not in FIRST_WORDS:
+        return f"only read-only queries are allowed (SELECT, WITH, VALUES, metadata PRAGMA, EXPLAIN), not {word}"
+    return None
 
 
 def run_sql(db_path, sql, timeout_s=TIMEOUT_S, max_rows=10_000) -> SQLResult:
     """Run one read-only statement. Never raises: every failure comes back in .error, without file paths."""
     t0 = time.monotonic()
-    columns, rows, error, truncated = _execute(db_path, sql, timeout_s, max_rows, t0)
+    error, denied, timed_out = _refusal(sql), [], []
+    columns, rows, truncated = [], [], False
+    try:
+        if error is None:
+            with _open(db_path, t0 + float(timeout_s), denied, timed_out) as conn:
+                try:
+                    columns, rows, truncated = _fetch(conn, sql, int(max_rows))
+                except sqlite3.OperationalError as e:
+                    if "decode" not in str(e) or timed_out:
+                        raise
+                    # Non-UTF-8 text in the database: fetch again, replacing the undecodable bytes.
+                    conn.text_factory = lambda b: b.decode("utf-8", "replace")
+                    columns, rows, truncated = _fetch(conn, sql, int(max_rows))
+    except Exception as e:  # noqa: BLE001 - untrusted SQL: anything that goes wrong becomes the agent's error text
+        columns, rows, truncated = [], [], False
+        error = (f"query timed out after {float(timeout_s)!r} s" if timed_out else
+                 f"not authorized: {denied[0]} (the database is read-only; only SELECT, WITH and metadata PRAGMAs "
+                 f"such as table_info are allowed)" if denied else
+                 "the query is not valid UTF-8 text" if isinstance(e, UnicodeEncodeError) else
+                 "out of memory: the result is too large" if isinstance(e, MemoryError) else _clean_error(e, db_path))
     return SQLResult(columns, rows, error, truncated, time.monotonic() - t0)  # elapsed includes closing
 
 
-def _execute(db_path, sql, timeout_s, max_rows, t0):
-    if not isinstance(sql, str):
-        return [], [], f"the query must be text, got {type(sql).__name__}", False
-    if len(sql) > MAX_SQL_CHARS:
-        return [], [], f"query too long ({len(sql)} characters, limit {MAX_SQL_CHARS})", False
-    if "\x00" in sql:
-        return [], [], "the query contains a NUL character", False
-    word = _first_word(sql)
-    if word == "":
-        return [], [], "empty query: write one SELECT statement", False
-    if word not in FIRST_WORDS:
-        return [], [], (f"only read-only queries are allowed (SELECT, WITH, VALUES, metadata PRAGMA, EXPLAIN), "
-                        f"not {word}"), False
-    denied, timed_out, conn = [], [], None
-    try:
-        conn = _open(db_path, t0 + float(timeout_s), denied, timed_out)
-        try:
-            cur = conn.execute(sql)
-            rows, truncated = _fetch(cur, int(max_rows))
-        except sqlite3.OperationalError as e:
-            if "decode" not in str(e) or timed_out:
-                raise
-            # Non-UTF-8 text in the database: fetch again, replacing the undecodable bytes.
-            conn.text_factory = lambda b: b.decode("utf-8", "replace")
-            cur = conn.execute(sql)
-            rows, truncated = _fetch(cur, int(max_rows))
-        return [d[0] for d in cur.description or []], rows, None, truncated
-    except Exception as e:  # noqa: BLE001 - untrusted SQL: anything that goes wrong becomes the agent's error text
-        if timed_out:
-            return [], [], f"query timed out after {float(timeout_s)!r} s", False
-        if denied:
-            return [], [], (f"not authorized: {denied[0]} (the database is read-only; only SELECT, WITH and "
-                            f"metadata PRAGMAs such as table_info are allowed)"), False
-        if isinstance(e, UnicodeEncodeError):
-            return [], [], "the query is not valid UTF-8 text", False
-        if isinstance(e, MemoryError):
-            return [], [], "out of memory: the result is too large", False
-        return [], [], _clean_error(str(e), db_path), False
-    finally:
-        if conn is not None:
-            conn.close()  # always: an unclosed connection is how temp files pile up
-
-
-def _clean_error(msg, db_path):
+def _clean_error(e, db_path):
     # SQLite messages name tables/columns, not files, but scrub the path anyway in case one ever leaks through.
-    full = os.path.abspath(str(db_path))
+    msg, full = str(e), os.path.abspath(str(db_path))
     for p in (full, os.path.dirname(full), str(db_path)):
         if len(p) > 1:
             msg = msg.replace(p, "<db>")
@@ -341,12 +318,10 @@ def describe_schema(db_path, style="list", example_values=0) -> str:
 
 @lru_cache(maxsize=512)  # prompts are built for every rollout; the key includes mtime so a rebuilt db is re-read
 def _describe(path, mtime_ns, size, style, k):
-    conn = _open(path, time.monotonic() + 60.0, [], [])
-    try:
-        tables = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL "
-                              "AND name NOT LIKE 'sqlite_%' ORDER BY rowid").fetchall()
-        out, fks = [], []
-        for name, create in tables:
+    out, fks = [], []
+    with _open(path, time.monotonic() + 60.0, [], []) as conn:
+        for name, create in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT "
+                                         "NULL AND name NOT LIKE 'sqlite_%' ORDER BY rowid").fetchall():
             cols = conn.execute(f"PRAGMA table_info({_quote(name)})").fetchall()  # (cid, name, type, nn, dflt, pk)
             examples = {}
             for c in cols if k > 0 else []:
@@ -360,19 +335,17 @@ def _describe(path, mtime_ns, size, style, k):
             if style == "create":
                 ex = "".join(f"\n--   {_ident(c)}: {v}" for c, v in examples.items() if v)
                 out.append(create.strip() + ";" + (f"\n-- Example values:{ex}" if ex else ""))
-            else:
-                lines = [f"Table: {_ident(name)}"]
-                for c in cols:
-                    attrs = [a for a in (c[2], "PRIMARY KEY" if c[5] else "") if a]
-                    if examples.get(c[1]):
-                        attrs.append(f"examples: {examples[c[1]]}")
-                    lines.append(f"- {_ident(c[1])}" + (f" ({', '.join(attrs)})" if attrs else ""))
-                out.append("\n".join(lines))
-        if style == "list" and fks:
-            out.append("Foreign keys:\n" + "\n".join(f"- {f}" for f in fks))
-        return "\n\n".join(out)
-    finally:
-        conn.close()
+                continue
+            lines = [f"Table: {_ident(name)}"]
+            for c in cols:
+                attrs = [a for a in (c[2], "PRIMARY KEY" if c[5] else "") if a]
+                if examples.get(c[1]):
+                    attrs.append(f"examples: {examples[c[1]]}")
+                lines.append(f"- {_ident(c[1])}" + (f" ({', '.join(attrs)})" if attrs else ""))
+            out.append("\n".join(lines))
+    if style == "list" and fks:
+        out.append("Foreign keys:\n" + "\n".join(f"- {f}" for f in fks))
+    return "\n\n".join(out)
 
 
 REQUIRED_FIELDS = ("id", "db_id", "db_path", "question", "evidence", "gold_sql", "difficulty", "source")
@@ -567,9 +540,13 @@ def _schema_text(example, schema_mode, style, example_values):
     return NO_SCHEMA if schema_mode == "none" else "The full schema is shown in the first tool result below."
 
 
-def _messages(system, user, explore_call, wrap, obs_role, example, schema_mode, max_turns):
+def _messages(system, user, schema, explore_call, wrap, obs_role, example, schema_mode, max_turns):
+    """System + filled-in user message (+ for schema_mode="explore_turn" the explore turn and its observation)."""
     if schema_mode not in SCHEMA_MODES:
         raise ValueError(f"schema_mode must be one of {SCHEMA_MODES}, got {schema_mode!r}")
+    evidence = f"External Knowledge: {example['evidence']}\n" if example.get("evidence") else ""
+    user = _fill(user, db_id=example["db_id"], schema=schema, evidence=evidence, question=example["question"],
+                 max_turns=max_turns)
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     if schema_mode == "explore_turn":  # TRUST's prefill variant: a synthetic explore turn, not a sampled turn
         schema = describe_schema(example["db_path"], "create")
@@ -578,13 +555,8 @@ def _messages(system, user, explore_call, wrap, obs_role, example, schema_mode, 
 
 
 def _fill(template, **kw):
-    for k, v in kw.items():  # plain replace: questions and schemas may contain braces
-        template = template.replace("{" + k + "}", str(v))
-    return template
-
-
-def _evidence(example):
-    return f"External Knowledge: {example['evidence']}\n" if example.get("evidence") else ""
+    # one pass over the template only: questions and schemas may themselves contain "{question}" or other braces
+    return re.sub(r"\{(\w+)\}", lambda m: str(kw[m[1]]) if m[1] in kw else m[0], template)
 
 # --- TRUST-SQL (App. C.3): four actions, tool results come back in "tool" messages
 
@@ -633,12 +605,10 @@ You have {max_turns} turns; each response is one turn."""
 
 def _trust_messages(example, schema_mode, max_turns):
     schema = f"Database Schema:\n{describe_schema(example['db_path'], 'create')}\n" if schema_mode == "prompt" else ""
-    user = _fill(TRUST_USER, db_id=example["db_id"], schema=schema, evidence=_evidence(example),
-                 question=example["question"], max_turns=max_turns)
     call = json.dumps({"name": "execute_sql_query", "arguments": {"db_id": example["db_id"], "sql": SCHEMA_SQL}})
     explore = ("<think>I know nothing about this database yet, so I read every table's CREATE statement.</think>\n"
                f"<action>explore_schema</action>\n<tool_call>\n{call}\n</tool_call>")
-    return _messages(TRUST_SYSTEM, user, explore, _wrap_trust, "tool", example, schema_mode, max_turns)
+    return _messages(TRUST_SYSTEM, TRUST_USER, schema, explore, _wrap_trust, "tool", example, schema_mode, max_turns)
 
 
 def _wrap_trust(obs, turns_left):
@@ -681,11 +651,11 @@ def _sql_agent_messages(think, role, step3, example_values):
     system = _fill(SQL_AGENT_SYSTEM, think=think, role=role, step3=step3)
 
     def build(example, schema_mode, max_turns):
-        user = _fill(SQL_AGENT_USER, schema=_schema_text(example, schema_mode, "list", example_values),
-                     evidence=_evidence(example), question=example["question"], max_turns=max_turns)
+        schema = _schema_text(example, schema_mode, "list", example_values)
         explore = (f"<{think}>I first read the CREATE statement of every table.</{think}>\n"
                    f"<sql>{SCHEMA_SQL}</sql>")
-        return _messages(system, user, explore, _wrap_observation_tag, "user", example, schema_mode, max_turns)
+        return _messages(system, SQL_AGENT_USER, schema, explore, _wrap_observation_tag, "user", example, schema_mode,
+                         max_turns)
     return build
 
 
@@ -724,11 +694,10 @@ Option B (final answer): <think> Your final analysis... </think> <answer> YOUR_S
 
 
 def _mtir_messages(example, schema_mode, max_turns):
-    user = _fill(MTIR_USER, db_id=example["db_id"], schema=_schema_text(example, schema_mode, "create", 2),
-                 evidence=_evidence(example), question=example["question"], max_turns=max_turns)
+    schema = _schema_text(example, schema_mode, "create", 2)
     call = json.dumps({"name": "sql-execute_sql_query", "arguments": {"db_name": example["db_id"], "sql": SCHEMA_SQL}})
     explore = f"<think>I first read the CREATE statement of every table.</think>\n<tool_call>\n{call}\n</tool_call>"
-    return _messages(MTIR_SYSTEM, user, explore, _wrap_mtir, "user", example, schema_mode, max_turns)
+    return _messages(MTIR_SYSTEM, MTIR_USER, schema, explore, _wrap_mtir, "user", example, schema_mode, max_turns)
 
 
 def _wrap_mtir(obs, turns_left):

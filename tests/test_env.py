@@ -6,7 +6,6 @@ import doctest
 import hashlib
 import json
 import os
-import shutil
 import sqlite3
 import tempfile
 import time
@@ -23,7 +22,29 @@ RUNAWAYS = {  # each runs for minutes without the timeout
 }
 
 # -----------------------------------------------------------------------------
-# fixtures: private copies of Spider databases, so file-level checks see only what we did
+# fixtures: small databases built in tmp_path (so the sandbox tests need no Spider download, and file-level checks see
+# only what we did); the episode and real-query tests use the Spider dev set itself
+
+PETS_DDL = [  # Spider's pets_1 schema; the fixture holds its 3 pets and 3 of its students
+    "CREATE TABLE Student (StuID INTEGER PRIMARY KEY, LName VARCHAR(12), Fname VARCHAR(12), Age INTEGER, "
+    "Sex VARCHAR(1), Major INTEGER, Advisor INTEGER, city_code VARCHAR(3))",
+    "CREATE TABLE Has_Pet (StuID INTEGER, PetID INTEGER, FOREIGN KEY(PetID) REFERENCES Pets(PetID), "
+    "FOREIGN KEY(StuID) REFERENCES Student(StuID))",
+    "CREATE TABLE Pets (PetID INTEGER PRIMARY KEY, PetType VARCHAR(20), pet_age INTEGER, weight REAL)",
+]
+
+
+def _build(path, ddl, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA synchronous = OFF")  # a throwaway file: skip the fsyncs (~80 ms per fixture)
+    for sql in ddl:
+        conn.execute(sql)
+    for table, values in rows.items():
+        conn.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * len(values[0]))})", values)
+    conn.commit()
+    conn.close()
+    return path
 
 
 def _sha(path):
@@ -36,23 +57,29 @@ def _temp_files():
 
 
 @pytest.fixture
-def pets(spider_dir, tmp_path):
-    dst = tmp_path / "pets_1" / "pets_1.sqlite"
-    dst.parent.mkdir()
-    shutil.copy(spider_dir / "database" / "pets_1" / "pets_1.sqlite", dst)
-    return dst
+def pets(tmp_path):
+    students = [(1001, "Smith", "Linda", 18, "F", 600, 1121, "BAL"), (1002, "Kim", "Tracy", 19, "F", 600, 7712, "HKG"),
+                (1003, "Jones", "Shiela", 21, "F", 600, 7792, "WAS")]
+    return _build(tmp_path / "pets_1" / "pets_1.sqlite", PETS_DDL, {
+        "Student": students, "Has_Pet": [(1001, 2001), (1002, 2002), (1002, 2003)],
+        "Pets": [(2001, "cat", 3, 12.0), (2002, "dog", 2, 13.4), (2003, "dog", 1, 9.3)]})
 
 
 @pytest.fixture(scope="module")
-def world(spider_dir, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("world_1") / "world_1.sqlite"
-    shutil.copy(spider_dir / "database" / "world_1" / "world_1.sqlite", dst)
-    return dst
+def world(tmp_path_factory):  # a 4,000-row city table: a 3-way self-join is 6.4e10 rows, minutes without the timeout
+    cities = [(i, f"City {i:04d}", f"C{i % 50:02d}") for i in range(1, 4001)]
+    ddl = ["CREATE TABLE city (ID INTEGER PRIMARY KEY, Name TEXT, CountryCode TEXT)"]
+    return _build(tmp_path_factory.mktemp("world_1") / "world_1.sqlite", ddl, {"city": cities})
 
 
-def _example(spider_dir, db_id, question="How many pets are there?", gold="SELECT count(*) FROM Pets"):
-    return {"id": "t0", "db_id": db_id, "db_path": str(spider_dir / "database" / db_id / f"{db_id}.sqlite"),
-            "question": question, "evidence": "", "gold_sql": gold, "difficulty": "easy", "source": "spider"}
+def _example(db_path, question="How many pets are there?", gold="SELECT count(*) FROM Pets"):
+    return {"id": "t0", "db_id": "pets_1", "db_path": str(db_path), "question": question, "evidence": "",
+            "gold_sql": gold, "difficulty": "easy", "source": "spider"}
+
+
+@pytest.fixture
+def spider_pets(spider_dir):
+    return _example(spider_dir / "database" / "pets_1" / "pets_1.sqlite")
 
 # -----------------------------------------------------------------------------
 # sandbox
@@ -357,7 +384,7 @@ def test_trail_and_skyrl_parsers(proto, think, call, answer):
         assert a.name == "invalid" and not a.valid and reason in a.feedback
 
 
-def test_mtir_parser_and_rethink_feedback(spider_dir):
+def test_mtir_parser_and_rethink_feedback(pets):
     parse = env.PROTOCOLS["mtir"].parse_turn
     call = '{"name": "sql-execute_sql_query", "arguments": {"db_name": "pets_1", "sql": "SELECT 1"}}'
     a = parse(f"<think>check</think>\n<tool_call>\n{call}\n</tool_call>")
@@ -367,16 +394,16 @@ def test_mtir_parser_and_rethink_feedback(spider_dir):
     assert parse("<think>final</think><answer> ```sql SELECT 2 </answer>").sql == "SELECT 2"  # the paper's unclosed fence
     assert parse("<think>x</think><tool_call>{bad json</tool_call>").name == "invalid"
     assert parse(f"<think>x</think><tool_call>{call}</tool_call><answer>SELECT 1</answer>").name == "invalid"
-    ep = env.new_episode(_example(spider_dir, "pets_1"), "mtir", max_turns=3)
+    ep = env.new_episode(_example(pets), "mtir", max_turns=3)
     obs, done = env.step(ep, "I think the answer is 3.")
     assert not done and "My action is not correct. Let me rethink." in obs and "You have 2 turns left" in obs
 
 
 @pytest.mark.parametrize("proto", sorted(env.PROTOCOLS))
 @pytest.mark.parametrize("schema_mode", env.SCHEMA_MODES)
-def test_prompts_for_every_protocol_and_schema_mode(spider_dir, proto, schema_mode):
+def test_prompts_for_every_protocol_and_schema_mode(pets, proto, schema_mode):
     p = env.PROTOCOLS[proto]
-    msgs = p.build_messages(_example(spider_dir, "pets_1"), schema_mode, 6)
+    msgs = p.build_messages(_example(pets), schema_mode, 6)
     assert [m["role"] for m in msgs[:2]] == ["system", "user"]
     assert "How many pets are there?" in msgs[1]["content"] and "6 turns" in msgs[1]["content"]
     has_schema = "PetType" in msgs[1]["content"]
@@ -393,8 +420,8 @@ def test_prompts_for_every_protocol_and_schema_mode(spider_dir, proto, schema_mo
 # episodes on a real Spider database
 
 
-def test_trust_episode_explore_propose_generate_confirm(spider_dir):
-    ep = env.new_episode(_example(spider_dir, "pets_1"), "trust", max_turns=6)
+def test_trust_episode_explore_propose_generate_confirm(spider_pets):
+    ep = env.new_episode(spider_pets, "trust", max_turns=6)
     explore = ('<think>which tables?</think><action>explore_schema</action><tool_call>{"name": "execute_sql_query", '
                '"arguments": {"db_id": "../../etc/passwd", "sql": "SELECT name FROM sqlite_master WHERE type = '
                '\'table\'"}}</tool_call>')
@@ -422,8 +449,8 @@ def test_trust_episode_explore_propose_generate_confirm(spider_dir):
         env.step(ep, "<answer>SELECT 1</answer>")
 
 
-def test_episode_runs_out_of_turns_and_accepts_batched_results(spider_dir):
-    ep = env.new_episode(_example(spider_dir, "pets_1"), "trail", max_turns=2, schema_mode="prompt")
+def test_episode_runs_out_of_turns_and_accepts_batched_results(spider_pets):
+    ep = env.new_episode(spider_pets, "trail", max_turns=2, schema_mode="prompt")
     turn = "<reasoning>look</reasoning><sql>SELECT PetType FROM Pets</sql>"
     [result] = env.run_many([(ep.example["db_path"], env.pending_sql(ep, turn))], workers=2)
     obs, done = env.step(ep, turn, result)
@@ -435,8 +462,8 @@ def test_episode_runs_out_of_turns_and_accepts_batched_results(spider_dir):
     assert ep.turn_valid == [True, False] and ep.num_tool_calls == 1 and ep.propose_turn == -1
 
 
-def test_new_episode_rejects_bad_arguments(spider_dir):
-    ex = _example(spider_dir, "pets_1")
+def test_new_episode_rejects_bad_arguments(pets):
+    ex = _example(pets)
     with pytest.raises(ValueError, match="unknown protocol"):
         env.new_episode(ex, "react", 3)
     with pytest.raises(ValueError, match="schema_mode"):
@@ -464,3 +491,15 @@ def test_load_examples_resolves_paths_and_names_problems(pets, tmp_path):
             env.load_examples(tmp_path / fname)
     with pytest.raises(FileNotFoundError, match="examples file not found"):
         env.load_examples(tmp_path / "missing.jsonl")
+
+
+def test_prompt_keeps_braces_in_question_verbatim(tmp_path):
+    # a question or evidence that itself contains "{max_turns}" or "{question}" must not be substituted
+    db = tmp_path / "t.sqlite"
+    sqlite3.connect(db).close()
+    ex = {"id": "q", "db_id": "t", "db_path": str(db), "question": "What does {max_turns} mean?",
+          "evidence": "see {question}", "gold_sql": "SELECT 1", "difficulty": "easy", "source": "test"}
+    for name, proto in env.PROTOCOLS.items():
+        text = "\n".join(m["content"] for m in proto.build_messages(ex, "none", 5))
+        assert "What does {max_turns} mean?" in text, name
+        assert "see {question}" in text, name
