@@ -1,0 +1,450 @@
+"""
+Evaluate a text-to-SQL agent the way the papers report it: greedy execution accuracy (EX), execution-consensus
+majority voting (maj@K, as OmniSQL does), unbiased pass@k, a per-difficulty table, TRUST-SQL's cost table
+(Table 10: latency, output tokens, turns, tool calls) and an automatic version of TRUST-SQL's error taxonomy (§3.1).
+Writes out/eval/<name>/predictions.jsonl and summary.json and prints markdown tables.
+
+    python eval.py --model tiny --limit 20 --samples 4 --max-turns 3          # gym dev split, untrained tiny model
+    python eval.py --model out/ckpt --data data/spider/dev.jsonl --scoring spider --samples 8
+    python eval.py --model Qwen/Qwen3-4B --data data/bird/dev.jsonl --bird-predictions out/predict_dev.json
+    python eval.py --gold-as-prediction --data data/spider/dev.jsonl --scoring spider   # scorer self-check
+"""
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import sqlglot
+from sqlglot import exp
+from sqlglot.optimizer.scope import traverse_scope
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from env import load_examples, results_match, run_many, run_sql
+from rewards import db_schema, extract_schema  # db_schema: {table: {column: type}}, lower-cased
+
+ERROR_CLASSES = ("generation", "syntax", "hallucination", "schema_linking", "semantic")
+DIFFICULTY_ORDER = ("easy", "medium", "hard", "extra", "simple", "moderate", "challenging")
+
+# -----------------------------------------------------------------------------
+# metrics: unbiased pass@k and execution-consensus majority voting
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0  # every k-subset contains a correct sample
+    # C(n-c,k)/C(n,k) = prod_{i=n-c+1..n} (1 - k/i): a product of terms in (0,1], no huge binomials
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_ks(samples: int) -> list[int]:
+    """The k reported for pass@k: TRUST's {1, 4, 6, 8}, powers of two, and the sample count itself."""
+    return sorted({k for k in (1, 2, 4, 6, 8, 16, 32, 64) if k <= samples} | {samples})
+
+
+def majority_vote(results: list) -> int | None:
+    """Index of the sample whose result wins the vote, or None when every sample failed.
+    results: one SQLResult per sample (None = no final SQL). Samples vote with their result as a frozenset of rows;
+    errors and timeouts don't vote, empty results do; the largest group wins and ties go to the group seen first."""
+    groups = {}  # result -> [index of its first member, votes]; dicts keep insertion order
+    for i, r in enumerate(results):
+        if r is None or r.error is not None:
+            continue
+        key = frozenset(r.rows)
+        if key not in groups:
+            groups[key] = [i, 0]
+        groups[key][1] += 1
+    if not groups:
+        return None
+    return max(groups.values(), key=lambda g: g[1])[0]  # max keeps the first of equal maxima
+
+
+# -----------------------------------------------------------------------------
+# scoring: gold results (cached), ORDER BY detection, correctness
+
+# (db_path, gold_sql) -> SQLResult. Databases are read-only, so a gold result never goes stale; periodic dev
+# evaluation from train.py pays for the gold queries once per process.
+GOLD_CACHE: dict = {}
+SCORE_MAX_ROWS = 1_000_000  # generous: a truncated result would make set comparison unreliable
+
+
+def gold_results(examples: list[dict], timeout_s: float = 30.0, workers: int = 4) -> list:
+    todo = sorted({(ex["db_path"], ex["gold_sql"]) for ex in examples} - GOLD_CACHE.keys())
+    for job, res in zip(todo, run_many(todo, workers=workers, timeout_s=timeout_s, max_rows=SCORE_MAX_ROWS)):
+        GOLD_CACHE[job] = res
+    return [GOLD_CACHE[(ex["db_path"], ex["gold_sql"])] for ex in examples]
+
+
+def parse_query(sql: str):
+    """The single query in sql as a sqlglot tree, or None when it does not parse as exactly one query."""
+    try:
+        trees = [t for t in sqlglot.parse(sql, read="sqlite") if t is not None]
+    except (sqlglot.errors.SqlglotError, RecursionError, ValueError):  # model output is untrusted
+        return None
+    if len(trees) != 1 or not isinstance(trees[0], exp.Query):
+        return None  # sqlglot happily parses "SELEC * FRM t" as an arithmetic expression
+    return trees[0]
+
+
+def gold_order_matters(gold_sql: str) -> bool:
+    """Test-suite rule: row order counts when the gold query sorts. Only the outermost ORDER BY counts, since an
+    ORDER BY ... LIMIT inside a subquery does not order the final rows."""
+    tree = parse_query(gold_sql)
+    if tree is None:
+        return "order by" in gold_sql.lower()  # the test-suite evaluator's own substring rule
+    return tree.args.get("order") is not None
+
+
+def is_correct(pred, gold, scoring: str, order_matters: bool) -> bool:
+    """pred, gold: SQLResult (pred None = no final SQL). bird: set equality; spider: test-suite semantics."""
+    if pred is None or pred.error is not None or gold.error is not None:
+        return False
+    return results_match(pred.rows, gold.rows, mode=scoring, order_matters=order_matters and scoring == "spider")
+
+
+def execute_predictions(examples: list[dict], sqls: list, timeout_s: float = 30.0, workers: int = 4) -> list:
+    """Run each example's predicted SQL (None stays None) in one run_many batch."""
+    jobs = [(ex["db_path"], sql) for ex, sql in zip(examples, sqls) if sql]
+    results = iter(run_many(jobs, workers=workers, timeout_s=timeout_s, max_rows=SCORE_MAX_ROWS)) if jobs else iter(())
+    return [next(results) if sql else None for sql in sqls]
+
+
+def score_sqls(examples: list[dict], sqls: list, scoring: str = "bird", timeout_s: float = 30.0,
+               workers: int = 4) -> list[bool]:
+    """Correctness of one predicted SQL per example (the self-check passes the gold SQL here)."""
+    golds = gold_results(examples, timeout_s, workers)
+    preds = execute_predictions(examples, sqls, timeout_s, workers)
+    return [is_correct(p, g, scoring, gold_order_matters(ex["gold_sql"]))
+            for ex, p, g in zip(examples, preds, golds)]
+
+
+def difficulty_of(example: dict) -> str:
+    if example.get("difficulty"):
+        return example["difficulty"]
+    if example.get("source") == "spider":  # Spider's hardness is a function of the gold SQL
+        from data.spider.prepare import spider_hardness
+        return spider_hardness(example["gold_sql"])
+    return "unknown"
+
+
+# -----------------------------------------------------------------------------
+# error taxonomy (TRUST-SQL §3.1), one label per failure, checked in this order:
+#   generation: no final SQL; syntax: does not parse as one query; hallucination: names a table or column the
+#   database lacks; syntax: parses but fails to run (incl. timeouts); schema_linking: runs, but touches other
+#   tables/columns than gold; semantic: right schema, wrong result.
+# Hallucination is checked before execution because SQLite reports an unknown name as a run error.
+
+
+def unknown_names(tree, db_path: str) -> list[str]:
+    """Tables and columns the query references that do not exist in the database (sqlglot tree, real schema).
+    Columns are resolved per scope against the tables visible there (outer scopes included, for correlated
+    subqueries); a scope that also reads a CTE or derived table only needs the name to exist somewhere."""
+    schema = db_schema(db_path)
+    known = set().union(*schema.values()) if schema else set()
+    ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
+    # names a query defines itself: select aliases and CTE/derived-table column lists
+    own = {a.alias.lower() for a in tree.find_all(exp.Alias)}
+    own |= {c.name.lower() for ta in tree.find_all(exp.TableAlias) for c in ta.columns}
+    missing = [f"table {t.name}" for t in tree.find_all(exp.Table)
+               if t.name and t.name.lower() not in schema and t.name.lower() not in ctes]
+    try:
+        scopes = traverse_scope(tree)
+    except (sqlglot.errors.SqlglotError, RecursionError):  # cannot scope it: table names were still checked
+        scopes = []
+    for scope in scopes:
+        sources, s = {}, scope
+        while s is not None:  # innermost definition of an alias wins
+            for alias, src in s.sources.items():
+                sources.setdefault(alias.lower(), src)
+            s = s.parent
+        real = {a: src.name.lower() for a, src in sources.items()
+                if isinstance(src, exp.Table) and src.name.lower() in schema}
+        derived = len(real) < len(sources)  # CTE, derived table or an unknown table (already reported)
+        visible = known if derived else set().union(*(schema[t] for t in real.values()))
+        for col in scope.columns:
+            # a scope also lists the columns of its subqueries; check each in its own (innermost) SELECT only
+            if isinstance(col.this, exp.Star) or col.find_ancestor(exp.Select) is not scope.expression:
+                continue
+            name, qual = col.name.lower(), col.table.lower()
+            if qual:
+                if qual in real and name not in schema[real[qual]]:
+                    missing.append(f"column {col.sql()}")
+                elif qual not in sources:
+                    missing.append(f"table {col.table} (in {col.sql()})")
+            elif name not in visible and name not in own:
+                # SQLite reads an unknown "double-quoted" name as a string literal (Spider's gold SQL relies on it)
+                if not (col.this.quoted and name not in known):
+                    missing.append(f"column {col.name}")
+    return list(dict.fromkeys(missing))
+
+
+def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple[str, str]:
+    """(label, detail) for a wrong prediction. result: the SQLResult of final_sql, run here when None."""
+    if not final_sql or not final_sql.strip():
+        return "generation", "no final SQL"
+    tree = parse_query(final_sql)
+    if tree is None:
+        return "syntax", "does not parse as a single SQL query"
+    missing = unknown_names(tree, example["db_path"])
+    if missing:
+        return "hallucination", ", ".join(missing)
+    if result is None:
+        result = run_sql(example["db_path"], final_sql, timeout_s=30.0)
+    if result.error is not None:
+        return "syntax", result.error
+    try:
+        pred = extract_schema(final_sql, example["db_path"])
+        gold = extract_schema(example["gold_sql"], example["db_path"])
+    except (sqlglot.errors.SqlglotError, KeyError, ValueError, RecursionError) as e:  # odd but running query
+        return "semantic", f"schema extraction failed: {e}"
+    if pred != gold:
+        diff = sorted((pred["tables"] | pred["columns"]) ^ (gold["tables"] | gold["columns"]))
+        return "schema_linking", "differs from gold on " + ", ".join(diff[:8])
+    return "semantic", "gold schema, different result"
+
+
+# -----------------------------------------------------------------------------
+# evaluation loop: batched rollouts, then batched execution for scoring
+
+
+def run_agent(model, tokenizer, examples, *, group_size, batch_size, desc, **rollout_kw):
+    """Trajectories (group-major, group_size per example) and wall-clock seconds per question."""
+    from rollout import rollout
+    per_call = max(1, batch_size // group_size)  # batch_size counts trajectories, not questions
+    trajs, latency = [], []
+    for start in tqdm(range(0, len(examples), per_call), desc=desc, unit="batch", disable=None):
+        chunk = examples[start:start + per_call]
+        t0 = time.perf_counter()
+        trajs += rollout(model, tokenizer, chunk, group_size=group_size, **rollout_kw)
+        latency += [(time.perf_counter() - t0) / len(chunk)] * len(chunk)
+    return trajs, latency
+
+
+def cost_row(trajs: list, latency: list[float]) -> dict:
+    """TRUST-SQL Table 10 columns: per-question latency, and per-trajectory output tokens, turns, tool calls."""
+    return {"latency_s": float(np.mean(latency)) if latency else 0.0,
+            "output_tokens": float(np.mean([sum(t.loss_mask) for t in trajs])) if trajs else 0.0,
+            "turns": float(np.mean([t.num_turns for t in trajs])) if trajs else 0.0,
+            "tool_calls": float(np.mean([t.num_tool_calls for t in trajs])) if trajs else 0.0}
+
+
+def traj_record(t, correct: bool, text: str | None = None) -> dict:
+    rec = {"final_sql": t.episode.final_sql, "correct": correct, "turns": t.num_turns,
+           "tool_calls": t.num_tool_calls, "output_tokens": int(sum(t.loss_mask)), "total_tokens": len(t.token_ids),
+           "stop_reason": t.stop_reason}
+    if text is not None:
+        rec["text"] = text
+    return rec
+
+
+def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none", max_turns=15, samples=1,
+             temperature=0.8, scoring="bird", batch_size=16, seed=0, max_new_tokens=1024, max_total_tokens=16384,
+             top_p=1.0, exec_timeout_s=30.0, workers=4, out_dir=None, name="eval") -> dict:
+    """Greedy EX always; maj@K and pass@k when samples > 1. Returns the summary dict; with out_dir, also writes
+    predictions.jsonl and summary.json there. train.py calls this for periodic dev evaluation."""
+    if scoring not in ("bird", "spider"):
+        raise ValueError(f"scoring must be 'bird' or 'spider', got {scoring!r}")
+    if not examples:
+        raise ValueError("evaluate() got no examples")
+    t_start = time.perf_counter()
+    kw = dict(protocol=protocol, max_turns=max_turns, max_new_tokens=max_new_tokens,
+              max_total_tokens=max_total_tokens, top_p=top_p, schema_mode=schema_mode)
+    golds = gold_results(examples, exec_timeout_s, workers)
+    orders = [gold_order_matters(ex["gold_sql"]) for ex in examples]
+    n = len(examples)
+
+    # greedy: temperature 0, one trajectory per question
+    g_trajs, g_lat = run_agent(model, tokenizer, examples, group_size=1, batch_size=batch_size, desc="greedy",
+                               temperature=0.0, seed=seed, **kw)
+    g_res = execute_predictions(examples, [t.episode.final_sql for t in g_trajs], exec_timeout_s, workers)
+    g_ok = [is_correct(r, g, scoring, o) for r, g, o in zip(g_res, golds, orders)]
+
+    # sampled: K trajectories per question for maj@K and pass@k
+    K = samples
+    if K > 1:
+        s_trajs, s_lat = run_agent(model, tokenizer, examples, group_size=K, batch_size=batch_size, desc=f"sample x{K}",
+                                   temperature=temperature, seed=seed + 1, **kw)
+        s_res = execute_predictions([ex for ex in examples for _ in range(K)],
+                                    [t.episode.final_sql for t in s_trajs], exec_timeout_s, workers)
+        s_ok = [is_correct(r, golds[i // K], scoring, orders[i // K]) for i, r in enumerate(s_res)]
+        maj_idx = [majority_vote(s_res[i * K:(i + 1) * K]) for i in range(n)]
+        maj_ok = [m is not None and s_ok[i * K + m] for i, m in enumerate(maj_idx)]
+        n_ok = [sum(s_ok[i * K:(i + 1) * K]) for i in range(n)]
+
+    # per-question metrics, then means overall and per difficulty
+    ks = pass_ks(K) if K > 1 else []
+    per_q = []
+    for i in range(n):
+        m = {"greedy_ex": float(g_ok[i])}
+        if K > 1:
+            m[f"maj@{K}"] = float(maj_ok[i])
+            m.update({f"pass@{k}": pass_at_k(K, n_ok[i], k) for k in ks})
+        per_q.append(m)
+    mean = lambda rows: {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
+    diffs = [difficulty_of(ex) for ex in examples]
+    order = [d for d in DIFFICULTY_ORDER if d in diffs] + sorted(set(diffs) - set(DIFFICULTY_ORDER))
+    by_diff = {d: {"n": diffs.count(d), **mean([m for m, dd in zip(per_q, diffs) if dd == d])} for d in order}
+
+    # error taxonomy of the greedy failures
+    labels = [None] * n
+    for i in range(n):
+        if g_ok[i]:
+            continue
+        labels[i] = ("gold_error", golds[i].error) if golds[i].error is not None else \
+            classify_failure(examples[i], g_trajs[i].episode.final_sql, g_res[i])
+    counts = Counter(lab[0] for lab in labels if lab is not None)
+    err_examples = {}
+    for i, lab in enumerate(labels):
+        if lab is not None and lab[0] not in err_examples:
+            ex = examples[i]
+            err_examples[lab[0]] = {"id": ex.get("id"), "question": ex["question"], "gold_sql": ex["gold_sql"],
+                                    "final_sql": g_trajs[i].episode.final_sql, "detail": lab[1]}
+
+    summary = {"name": name, "n": n, "protocol": protocol, "schema_mode": schema_mode, "max_turns": max_turns,
+               "samples": K, "temperature": temperature, "scoring": scoring, "seed": seed,
+               "metrics": mean(per_q), "by_difficulty": by_diff,
+               "cost": {"greedy": cost_row(g_trajs, g_lat)},
+               "errors": {"counts": {c: counts.get(c, 0) for c in ERROR_CLASSES + ("gold_error",)},
+                          "examples": err_examples},
+               "seconds": time.perf_counter() - t_start}
+    if K > 1:
+        summary["cost"][f"sampled x{K}"] = cost_row(s_trajs, s_lat)
+
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "predictions.jsonl", "w") as f:
+            for i, ex in enumerate(examples):
+                t = g_trajs[i]
+                rec = {"idx": i, "id": ex.get("id"), "db_id": ex.get("db_id"), "question": ex["question"],
+                       "difficulty": diffs[i], "gold_sql": ex["gold_sql"],
+                       **traj_record(t, g_ok[i], tokenizer.decode(t.token_ids, skip_special_tokens=False)),
+                       "error_label": labels[i][0] if labels[i] else None,
+                       "error_detail": labels[i][1] if labels[i] else None, "latency_s": g_lat[i]}
+                if K > 1:  # samples keep their SQL and counts; their text would multiply the file size by K
+                    group = s_trajs[i * K:(i + 1) * K]
+                    rec["maj_sql"] = group[maj_idx[i]].episode.final_sql if maj_idx[i] is not None else None
+                    rec["maj_correct"] = maj_ok[i]
+                    rec["n_correct"] = n_ok[i]
+                    rec["samples"] = [traj_record(s, s_ok[i * K + j]) for j, s in enumerate(group)]
+                f.write(json.dumps(rec) + "\n")
+        with open(out_dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+# -----------------------------------------------------------------------------
+# report: markdown tables and BIRD's official prediction file
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown_report(summary: dict) -> str:
+    m, keys = summary["metrics"], list(summary["metrics"])
+    by_diff = [[d, row["n"]] + [100 * row[k] for k in keys] for d, row in summary["by_difficulty"].items()]
+    cost = [[run, 100 * acc, c["latency_s"], c["output_tokens"] / 1000, c["turns"], c["tool_calls"]]
+            for (run, c), acc in zip(summary["cost"].items(), [m["greedy_ex"], m.get("pass@1")])]
+    counts, examples = summary["errors"]["counts"], summary["errors"]["examples"]
+    errors = [[c, n, _one_line(examples.get(c))] for c, n in counts.items() if n or c != "gold_error"]
+    return "\n\n".join([
+        f"## {summary['name']}: {summary['n']} questions, {summary['protocol']} protocol, schema "
+        f"{summary['schema_mode']}, {summary['scoring']} scoring (EX %)",
+        markdown_table(keys, [[100 * v for v in m.values()]]),
+        "### by difficulty", markdown_table(["difficulty", "n"] + keys, by_diff),
+        "### cost, as TRUST-SQL Table 10 (means: latency per question, the rest per trajectory; sampled EX = pass@1)",
+        markdown_table(["run", "EX %", "latency (s)", "output tokens (K)", "turns", "tool calls"], cost),
+        "### greedy failures", markdown_table(["class", "count", "example"], errors)])
+
+
+def _one_line(example: dict | None, width: int = 90) -> str:
+    if example is None:
+        return ""
+    text = f"{example['final_sql'] or '(none)'} -- {example['detail']}"
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def write_bird_predictions(path, examples: list[dict], sqls: list) -> None:
+    """BIRD's official evaluator input: {"<idx>": "SQL\\t----- bird -----\\t<db_id>"}, idx = position in the file.
+    A missing SQL is written as an empty string, which the evaluator scores as wrong."""
+    preds = {str(i): f"{sql or ''}\t----- bird -----\t{ex['db_id']}" for i, (ex, sql) in enumerate(zip(examples, sqls))}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(preds, f, indent=4)
+
+
+# -----------------------------------------------------------------------------
+# CLI
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="checkpoint folder, 'tiny' or a Hugging Face id")
+    parser.add_argument("--data", default=None, help="examples JSONL (default: the gym dev split, built if missing)")
+    parser.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"])
+    parser.add_argument("--schema-mode", default="none", choices=["none", "prompt", "explore_turn"])
+    parser.add_argument("--max-turns", type=int, default=15)
+    parser.add_argument("--samples", type=int, default=8, help="K for maj@K and pass@k; 1 = greedy only")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (greedy uses 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--scoring", default=None, choices=["bird", "spider"],
+                        help="bird: set equality; spider: test-suite semantics (default: spider for Spider data)")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant turn")
+    parser.add_argument("--max-total-tokens", type=int, default=16384, help="per trajectory, prompt included")
+    parser.add_argument("--batch-size", type=int, default=16, help="trajectories per rollout call")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    parser.add_argument("--exec-timeout", type=float, default=30.0, help="seconds per scoring query")
+    parser.add_argument("--name", default=None, help="output folder name under --out-dir")
+    parser.add_argument("--out-dir", default="out/eval")
+    parser.add_argument("--bird-predictions", default=None, help="also write BIRD's official prediction JSON here")
+    parser.add_argument("--gold-as-prediction", action="store_true",
+                        help="no model: score the gold SQL as the prediction (a scorer self-check, expect 100%%)")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    if args.data is None:
+        from data.gym.prepare import ensure_gym
+        args.data = str(ensure_gym(seed=0) / "dev.jsonl")
+    examples = load_examples(args.data)[:args.limit]
+    scoring = args.scoring or ("spider" if all(ex.get("source") == "spider" for ex in examples) else "bird")
+
+    if args.gold_as_prediction:
+        ok = score_sqls(examples, [ex["gold_sql"] for ex in examples], scoring, args.exec_timeout)
+        gold_failed = sum(r.error is not None for r in gold_results(examples, args.exec_timeout))
+        print(f"gold as prediction, {scoring} scoring: {100 * sum(ok) / len(ok):.2f}% EX "
+              f"({sum(ok)}/{len(ok)}; {gold_failed} gold queries fail to run)")
+        sys.exit(0)
+
+    import torch
+    from model import load_model
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, seed=args.seed)
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        model.set_attn_implementation("sdpa")  # rollout's batched rows need per-row attention masks
+    name = args.name or "-".join([Path(args.model.rstrip("/")).name, args.protocol, args.schema_mode,
+                                  Path(args.data).stem])
+    with torch.no_grad():
+        summary = evaluate(model, tokenizer, examples, protocol=args.protocol, schema_mode=args.schema_mode,
+                           max_turns=args.max_turns, samples=args.samples, temperature=args.temperature,
+                           scoring=scoring, batch_size=args.batch_size, seed=args.seed,
+                           max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                           top_p=args.top_p, exec_timeout_s=args.exec_timeout,
+                           out_dir=Path(args.out_dir) / name, name=name)
+    if args.bird_predictions:
+        with open(Path(args.out_dir) / name / "predictions.jsonl") as f:
+            write_bird_predictions(args.bird_predictions, examples, [json.loads(line)["final_sql"] for line in f])
+    print(markdown_report(summary))
+    print(f"\nwrote {Path(args.out_dir) / name}/predictions.jsonl and summary.json"
+          + (f", {args.bird_predictions}" if args.bird_predictions else ""))

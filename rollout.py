@@ -1,0 +1,413 @@
+"""
+Batched multi-turn rollout: len(examples) * group_size agent episodes decoded together with ONE KV cache that lives
+across all turns. A turn ends at EOS or at a protocol stop string (a tool call); the SQL of every row that stopped at
+the same step runs in one env.run_many batch, the observation's chat-template tokens are fed into that row's cache,
+and the row keeps decoding. History is never re-encoded, and the training tensors are exactly the ids we sampled and
+fed (token-in/token-out: no decode -> re-tokenize drift).
+
+    python rollout.py --data data/gym/dev.jsonl --protocol trust --num-examples 4 --group-size 2 --max-turns 5
+
+How the engine works:
+- SlotCache keeps per layer one K and one V buffer of shape (B, Hkv, S, D). Row b holds its tokens in slots
+  0..len_b-1 with no gaps, so a token's position id is its slot and the mask of row b is just "slot <= my position".
+  Replaying a finished trajectory in one plain forward therefore sees the same positions and keys.
+- Each step is one decode forward over all active rows, one token each. Tokens that have to go in before it (the
+  prompt; after a tool call the template's end-of-turn tokens, the observation message and the generation prompt)
+  are prefilled first for just the rows that have them, batched by similar length. Padded chunks write their pads
+  to slots past the row's length, which no real token ever attends to. The G rows of one example share their
+  prompt: it is prefilled once and its keys/values copied.
+- Rows whose episode is over are index-selected out of the cache, so they stop costing compute.
+- Sampling: temperature + top-p from a torch.Generator seeded with `seed`; greedy at temperature 0.
+  sample_logprobs = log_softmax(logits / T) of the sampled token over the FULL vocabulary (log_softmax(logits) at
+  T = 0): what a trainer recomputes "at the sampling temperature". With top_p < 1 the token is drawn from the
+  renormalised nucleus, so the recorded value is the untruncated tempered log-prob (a documented choice; at
+  top_p = 1 it is exactly the distribution sampled from).
+- Limits are always visible in stop_reason: max_turns (env), max_tokens (a turn reached max_new_tokens), context
+  (the row would exceed max_total_tokens). Nothing is ever cut from the left. A turn cut by a limit is recorded on
+  the Episode as an "invalid" action, so episode.actions keeps one entry per sampled turn. The SQL-Trail style
+  "this is your last turn" hint is part of env's wrap_observation.
+"""
+import argparse
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import env
+
+_SENTINEL = "@@turn-content@@"
+PREFILL_TOKENS = 16384  # padded tokens per prefill forward (observations, prompts)
+
+# -----------------------------------------------------------------------------
+# Trajectory: what the trainer consumes
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int]          # prompt + every sampled and fed token, in order
+    prompt_len: int
+    loss_mask: list[int]          # 1 only for sampled tokens
+    sample_logprobs: list[float]  # log-prob of each sampled token (see docstring), 0 elsewhere
+    turn_ids: list[int]           # -1 prompt; t for tokens sampled in turn t and the observation fed after it
+    episode: env.Episode
+    example: dict
+    group: int                    # index of the example in the batch
+    num_turns: int
+    num_tool_calls: int
+    stop_reason: str              # answer | max_turns | max_tokens | context
+    turn_times: list[float] = field(default_factory=list)  # wall seconds of each turn (decode + tool + obs)
+
+# -----------------------------------------------------------------------------
+# Chat template pieces: prompt, end-of-turn and observation tokens, all derived from the tokenizer's template
+
+
+def render_ids(tokenizer, messages, add_generation_prompt):
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                              return_dict=False))
+
+
+@dataclass
+class ChatBits:
+    close_ids: list[int]    # tokens the template puts after an assistant message's content, e.g. <|im_end|> \n
+    base: list[dict]        # fixed base conversation observations are appended to
+    base_ids: list[int]     # its tokens; observation tokens = render(base + [obs]) with these sliced off
+    stop: list[str]         # protocol stop strings
+    window: int             # decoded tail (tokens) that must contain any stop string the newest token completed
+    eos_ids: set[int]
+
+
+def chat_bits(tokenizer, model, protocol):
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": _SENTINEL}]
+    text = tokenizer.apply_chat_template(base, tokenize=False)
+    close_text = text[text.rindex(_SENTINEL) + len(_SENTINEL):]
+    close_ids = tokenizer.encode(close_text, add_special_tokens=False)
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos_ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not close_ids or close_ids[0] not in eos_ids:
+        raise ValueError(f"chat template closes an assistant turn with {close_text!r}, which does not start with "
+                         f"the eos token {tokenizer.eos_token!r}: use a chat model whose template ends turns at eos")
+    window = max([len(s) for s in protocol.stop], default=0) + 2  # every token decodes to >= 1 character
+    return ChatBits(close_ids, base, render_ids(tokenizer, base, False), list(protocol.stop), window, eos_ids)
+
+
+def observation_ids(tokenizer, bits, role, text):
+    """Template tokens of one observation message plus the next generation prompt (exactly as the template has
+    them inside a whole conversation: render base + message, slice off the base)."""
+    ids = render_ids(tokenizer, bits.base + [{"role": role, "content": text}], True)
+    if ids[:len(bits.base_ids)] != bits.base_ids:
+        raise ValueError("chat template re-renders earlier messages when a new one is appended; observation tokens "
+                         "cannot be taken as a suffix")
+    return ids[len(bits.base_ids):]
+
+
+def hits_stop(tokenizer, bits, ids, turn_start):
+    """Does the decoded turn ids[turn_start:] contain a stop string? Checked after every token, so only the tail
+    that the newest token can have completed a stop string in needs decoding."""
+    if not bits.stop:
+        return False
+    tail = tokenizer.decode(ids[max(turn_start, len(ids) - bits.window):], skip_special_tokens=False)
+    return any(s in tail for s in bits.stop)
+
+
+def turn_text(tokenizer, bits, turn_tokens):
+    """The text env parses: the turn without its eos (special tokens such as <tool_call> are kept)."""
+    ends_at_eos = turn_tokens and turn_tokens[-1] in bits.eos_ids
+    return tokenizer.decode(turn_tokens[:-1] if ends_at_eos else turn_tokens, skip_special_tokens=False)
+
+# -----------------------------------------------------------------------------
+# One KV cache for the whole batch, with per-row lengths
+
+
+class SlotCache:
+    """Duck-types the transformers Cache interface the decoder layers use (update). Per layer (B, Hkv, S, D)."""
+
+    def __init__(self, model, batch, device, dtype):
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.shape = (batch, cfg.num_key_value_heads, 0, head_dim)
+        self.k = [torch.zeros(self.shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(self.shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.lens = [0] * batch        # tokens held by each row
+        self.rows = self.slots = None  # (A, 1), (A, C): where this forward's chunk is written
+        self.kv_len = 0                # slots the attention reads this forward
+        self.subset = None             # (A,) rows a prefill reads, None: all rows
+
+    def reserve(self, n):
+        """Grow every buffer to >= n slots, 1024 at a time. New slots are zeros: masked slots must hold finite values,
+        since a masked key still multiplies its value by a zero weight."""
+        capacity = self.k[0].shape[2]
+        if n > capacity:
+            grow = max(n - capacity, 1024)
+            pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], grow, x.shape[3])], dim=2)
+            self.k, self.v = [pad(k) for k in self.k], [pad(v) for v in self.v]
+
+    def update(self, key, value, layer_idx, *args, **kwargs):  # key, value: (A, Hkv, C, D)
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        k[self.rows, :, self.slots] = key.transpose(1, 2).to(k.dtype)
+        v[self.rows, :, self.slots] = value.transpose(1, 2).to(v.dtype)
+        k, v = k[:, :, :self.kv_len], v[:, :, :self.kv_len]
+        if self.subset is not None:  # a prefill of some rows reads a copy of just those rows
+            k, v = k.index_select(0, self.subset), v.index_select(0, self.subset)
+        return k, v
+
+    def copy_prefix(self, src, dst, n):  # rows dst get the first n slots of rows src
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n], v[dst, :, :n] = k[src, :, :n], v[src, :, :n]
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.lens[d] = self.lens[s]
+
+    def keep(self, index):  # index: (A',) rows to keep, in order
+        self.k = [k.index_select(0, index) for k in self.k]
+        self.v = [v.index_select(0, index) for v in self.v]
+        self.lens = [self.lens[i] for i in index.tolist()]
+
+
+def forward_chunks(model, cache, chunks, pad_id, rows=None, logits=True):
+    """Feed chunks[i] to cache row rows[i] (default: every row, in order). Returns next-token logits (A, V) fp32 at
+    each chunk's last token, or None for a prefill (logits=False)."""
+    device = cache.k[0].device
+    index = torch.arange(len(chunks), device=device) if rows is None else torch.tensor(rows, device=device)
+    lens = cache.lens if rows is None else [cache.lens[r] for r in rows]
+    n = [len(c) for c in chunks]
+    C = max(n)
+    ids = torch.tensor([c + [pad_id] * (C - len(c)) for c in chunks], device=device)  # (A, C)
+    pos = torch.tensor(lens, device=device)[:, None] + torch.arange(C, device=device)  # (A, C)
+    # pads write past their row's length, where nothing real has been yet; real tokens overwrite them later
+    cache.kv_len = max(lens) + C
+    cache.reserve(cache.kv_len)
+    cache.rows, cache.slots, cache.subset = index[:, None], pos, None if rows is None else index
+    allowed = torch.arange(cache.kv_len, device=device) <= pos[:, None, :, None]  # (A, 1, C, kv_len)
+    dtype = cache.k[0].dtype  # an additive float mask: SDPA's CPU kernel runs ~20% faster than with a bool one
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    masks = {"full_attention": mask, "sliding_attention": mask}
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=masks, position_ids=pos, past_key_values=cache,
+                                 use_cache=True).last_hidden_state  # (A, C, H)
+    for r, k in zip(index.tolist(), n):
+        cache.lens[r] += k
+    if not logits:
+        return None
+    last = hidden[torch.arange(len(chunks), device=device), torch.tensor(n, device=device) - 1]  # (A, H)
+    return model.get_output_embeddings()(last).float()
+
+
+def length_groups(items, lengths, max_tokens=PREFILL_TOKENS):
+    """Split items into prefill batches, longest first, each padded to at most 1.25x its real tokens and to
+    max_tokens (a longer single item goes alone)."""
+    order = sorted(range(len(items)), key=lambda j: -lengths[j])
+    groups, total = [], 0
+    for j in order:
+        padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]] if groups else 0
+        if not groups or padded > max_tokens or padded > 1.25 * (total + lengths[j]):
+            groups.append([])
+            total = 0
+        groups[-1].append(j)
+        total += lengths[j]
+    return [[items[j] for j in group] for group in groups]
+
+
+def prefill(model, cache, feeds, pad_id):
+    """Push all but the last token of every multi-token feed {cache row: tokens} through the model."""
+    waiting = [i for i, feed in feeds.items() if len(feed) > 1]
+    for group in length_groups(waiting, [len(feeds[i]) - 1 for i in waiting]):
+        forward_chunks(model, cache, [feeds[i][:-1] for i in group], pad_id, rows=group, logits=False)
+
+# -----------------------------------------------------------------------------
+# Sampling
+
+
+def sample(logits, temperature, top_p, generator):
+    """logits (A, V) -> tokens (A,), logp (A, V) = the log-probs recorded for whichever token a row ends up with."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        return logp.argmax(dim=-1), logp
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1), logp
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
+    pick = torch.multinomial(sorted_probs.masked_fill(outside, 0.0), 1, generator=generator)  # renormalised
+    return order.gather(1, pick).squeeze(1), logp
+
+# -----------------------------------------------------------------------------
+# The rollout loop: a state machine per row (decoding -> turn ended -> tool call -> observation fed -> decoding)
+
+
+@dataclass
+class _Row:
+    traj: Trajectory
+    feed: list[int]          # tokens to push through the model on the next forward
+    turn_start: int          # index in token_ids where the current turn's sampled tokens start
+    turn_t0: float
+
+
+def _append(traj, ids, turn, loss=0, logprobs=None):
+    traj.token_ids += ids
+    traj.loss_mask += [loss] * len(ids)
+    traj.sample_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+    traj.turn_ids += [turn] * len(ids)
+
+
+def _finish(row, reason, cut_turn=False):
+    """End a row's episode; limits are recorded on the Episode too, so rewards see them."""
+    traj, episode = row.traj, row.traj.episode
+    if cut_turn:  # the turn never ended: nothing was parsed or executed
+        episode.actions.append(env.Action("invalid", None, None, False, f"turn cut by the {reason} limit"))
+        episode.turn_valid.append(False)
+        episode.exec_errors.append(None)
+    traj.stop_reason = reason
+    traj.num_tool_calls = episode.num_tool_calls
+    if not episode.done:
+        episode.done, episode.stop_reason = True, reason
+
+
+def get_protocol(protocol):
+    if isinstance(protocol, env.Protocol):
+        return protocol
+    if protocol not in env.PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}: choose one of {sorted(env.PROTOCOLS)}")
+    return env.PROTOCOLS[protocol]
+
+
+@torch.inference_mode()
+def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_new_tokens, max_total_tokens,
+            temperature, top_p, schema_mode, seed, force=None, sql_workers=4):
+    """Roll out group_size episodes per example; returns Trajectories group-major (example i -> rows i*G..i*G+G-1).
+    force: optional test/benchmark hook (row, turn, tokens sampled so far this turn) -> token id or None; a token
+    overrides the sampled one (a scripted policy), and its recorded log-prob is still the model's log-prob of it."""
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"rollout needs attn_implementation 'sdpa' or 'eager' (per-row masks), not "
+                         f"{model.config._attn_implementation!r}: call model.set_attn_implementation('sdpa')")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+    proto = get_protocol(protocol)
+    bits = chat_bits(tokenizer, model, proto)
+    param = next(model.parameters())
+    generator = torch.Generator(device=param.device).manual_seed(seed)
+
+    # --- one row per (example, sample); prompts too long for the context end at once, never cut from the left
+    rows, t0 = [], time.perf_counter()
+    for group, example in enumerate(examples):
+        prompt = render_ids(tokenizer, proto.build_messages(example, schema_mode, max_turns), True)
+        for _ in range(group_size):
+            episode = env.new_episode(example, proto.name, max_turns, schema_mode)
+            traj = Trajectory(list(prompt), len(prompt), [0] * len(prompt), [0.0] * len(prompt),
+                              [-1] * len(prompt), episode, example, group, 0, 0, "")
+            rows.append(_Row(traj, list(prompt), len(prompt), t0))
+            if len(prompt) >= max_total_tokens:
+                _finish(rows[-1], "context")
+    active = [r for r, row in enumerate(rows) if not row.traj.stop_reason]
+    # under autocast (fp32 weights, bf16 compute) the cache and the mask take the compute dtype
+    device_type = param.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    cache = SlotCache(model, len(active), param.device,
+                      torch.get_autocast_dtype(device_type) if autocast else param.dtype)
+    pad = tokenizer.pad_token_id
+
+    # --- rows of one example share their prompt: prefill it once, copy its keys/values to the sibling rows
+    first = {}
+    for i, r in enumerate(active):
+        first.setdefault(rows[r].traj.group, i)
+    prefill(model, cache, {i: rows[active[i]].feed for i in first.values()}, pad)
+    if active:
+        src = torch.tensor([first[rows[r].traj.group] for r in active], device=param.device)
+        cache.copy_prefix(src, torch.arange(len(active), device=param.device), max(cache.lens))
+    for r in active:
+        rows[r].feed = rows[r].feed[-1:]
+
+    while active:
+        # --- observations waiting to be fed go in as prefill batches; then one decode step for every row
+        prefill(model, cache, {i: rows[r].feed for i, r in enumerate(active)}, pad)
+        logits = forward_chunks(model, cache, [rows[r].feed[-1:] for r in active], pad)  # (A, V)
+        tokens, logp = sample(logits, temperature, top_p, generator)
+        tokens = tokens.tolist()
+        if force is not None:
+            forced = [force(r, rows[r].traj.num_turns, rows[r].traj.token_ids[rows[r].turn_start:])
+                      for r in active]
+            tokens = [t if f is None else f for t, f in zip(tokens, forced)]
+        token_logp = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
+
+        # --- append the sampled token; decide per row: keep decoding, end the turn, or hit a limit
+        ended = []
+        for i, r in enumerate(active):
+            row, token = rows[r], tokens[i]
+            traj = row.traj
+            _append(traj, [token], traj.num_turns, loss=1, logprobs=[token_logp[i]])
+            if token in bits.eos_ids or hits_stop(tokenizer, bits, traj.token_ids, row.turn_start):
+                ended.append(r)
+            elif len(traj.token_ids) >= max_total_tokens or len(traj.token_ids) - row.turn_start >= max_new_tokens:
+                traj.num_turns += 1
+                traj.turn_times.append(time.perf_counter() - row.turn_t0)
+                _finish(row, "context" if len(traj.token_ids) >= max_total_tokens else "max_tokens", cut_turn=True)
+            else:
+                row.feed = [token]
+
+        # --- tool calls of all rows that ended a turn together run as one batch
+        texts = [turn_text(tokenizer, bits, rows[r].traj.token_ids[rows[r].turn_start:]) for r in ended]
+        sqls = [env.pending_sql(rows[r].traj.episode, text) for r, text in zip(ended, texts)]
+        jobs = [(rows[r].traj.example["db_path"], sql) for r, sql in zip(ended, sqls) if sql is not None]
+        results = iter(env.run_many(jobs, workers=sql_workers) if jobs else [])
+        for r, text, sql in zip(ended, texts, sqls):
+            row = rows[r]
+            traj = row.traj
+            turn, last = traj.num_turns, traj.token_ids[-1]
+            observation, done = env.step(traj.episode, text, next(results) if sql is not None else None)
+            traj.num_turns += 1
+            # close the assistant message exactly as the template does (a sampled eos is its first token)
+            extra = bits.close_ids[1:] if last == bits.close_ids[0] else list(bits.close_ids)
+            if not done:
+                extra += observation_ids(tokenizer, bits, proto.obs_role, observation)
+            fits = len(traj.token_ids) + len(extra) + (0 if done else 1) <= max_total_tokens
+            if fits:
+                _append(traj, extra, turn)
+            traj.turn_times.append(time.perf_counter() - row.turn_t0)
+            if done or not fits:
+                _finish(row, traj.episode.stop_reason if done else "context")
+            else:
+                row.feed, row.turn_start, row.turn_t0 = [last] + extra, len(traj.token_ids), time.perf_counter()
+
+        # --- compact: finished rows leave the cache
+        keep = [i for i, r in enumerate(active) if not rows[r].traj.stop_reason]
+        if len(keep) < len(active):
+            active = [active[i] for i in keep]
+            if active:
+                cache.keep(torch.tensor(keep, device=param.device))
+    return [row.traj for row in rows]
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help='"tiny" or a Hugging Face id / local folder')
+    parser.add_argument("--data", default=None, help="examples JSONL (default: the gym's dev split)")
+    parser.add_argument("--protocol", default="trust", choices=sorted(env.PROTOCOLS))
+    parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES)
+    parser.add_argument("--num-examples", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=2)
+    parser.add_argument("--max-turns", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-total-tokens", type=int, default=4096)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    from model import load_model
+    if args.data is None:
+        from data.gym.prepare import ensure_gym
+        args.data = str(ensure_gym() / "dev.jsonl")
+    model, tokenizer = load_model(args.model, device=args.device)
+    examples = env.load_examples(args.data)[:args.num_examples]
+    t0 = time.perf_counter()
+    trajs = rollout(model, tokenizer, examples, args.protocol, group_size=args.group_size, max_turns=args.max_turns,
+                    max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                    temperature=args.temperature, top_p=args.top_p, schema_mode=args.schema_mode, seed=args.seed)
+    elapsed = time.perf_counter() - t0
+    sampled = sum(sum(t.loss_mask) for t in trajs)
+    print(f"{len(trajs)} trajectories, {sampled} sampled tokens in {elapsed:.2f}s ({sampled / elapsed:.0f} tok/s)")
+    for t in trajs:
+        print(f"group {t.group}: {t.num_turns} turns, {t.num_tool_calls} tool calls, {len(t.token_ids)} tokens, "
+              f"stop {t.stop_reason}")
+    print("--- first trajectory after the prompt:")
+    print(tokenizer.decode(trajs[0].token_ids[trajs[0].prompt_len:]))

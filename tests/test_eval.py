@@ -1,0 +1,274 @@
+"""eval.py: maj@K voting, the pass@k estimator, the error taxonomy, scoring, the Spider gold self-check and an
+end-to-end run of the tiny model on the gym.   python -m pytest -q tests/test_eval.py"""
+import itertools
+import json
+import math
+import sqlite3
+import subprocess
+import sys
+from types import SimpleNamespace
+from pathlib import Path
+
+import pytest
+
+import eval as ev
+from env import SQLResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def res(rows, error=None):
+    return SQLResult(columns=["c"], rows=rows, error=error, truncated=False, elapsed_s=0.0)
+
+
+# -----------------------------------------------------------------------------
+# maj@K: execution-consensus voting (OmniSQL)
+
+def test_majority_vote_largest_group_wins():
+    a, b = [(1, "x")], [(2, "y")]
+    # a gets 3 votes, b 2; the error and the missing SQL don't vote
+    results = [res(b), res(a), res([], error="no such table: t"), res(a), None, res(b), res(a)]
+    assert ev.majority_vote(results) == 1  # the first member of the winning group
+
+
+def test_majority_vote_tie_goes_to_first_seen():
+    a, b = [(1,)], [(2,)]
+    assert ev.majority_vote([res(b), res(a), res(a), res(b)]) == 0
+    assert ev.majority_vote([res([], error="syntax error"), res(a), res(b)]) == 1
+
+
+def test_majority_vote_groups_by_row_set_and_empty_results_vote():
+    # row order does not split a group: the key is a frozenset of rows
+    assert ev.majority_vote([res([(1,)]), res([(2,), (3,)]), res([(3,), (2,)])]) == 1
+    # two empty results outvote one non-empty result
+    assert ev.majority_vote([res([(5,)]), res([]), res([])]) == 1
+
+
+def test_majority_vote_all_failed_is_a_failure():
+    assert ev.majority_vote([res([], error="interrupted: timeout"), None, res([], error="no such column: x")]) is None
+    assert ev.majority_vote([]) is None
+
+
+# -----------------------------------------------------------------------------
+# pass@k: unbiased estimator vs brute-force enumeration of k-subsets
+
+def test_pass_at_k_matches_brute_force():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(range(n), k))  # samples 0..c-1 are the correct ones
+                brute = sum(any(i < c for i in s) for s in subsets) / len(subsets)
+                assert math.isclose(ev.pass_at_k(n, c, k), brute, abs_tol=1e-12), (n, c, k)
+
+
+def test_pass_at_k_edge_cases():
+    assert ev.pass_at_k(8, 0, 8) == 0.0 and ev.pass_at_k(8, 1, 8) == 1.0
+    assert math.isclose(ev.pass_at_k(200, 3, 1), 3 / 200)  # large n stays finite and exact
+    assert ev.pass_ks(8) == [1, 2, 4, 6, 8] and ev.pass_ks(5) == [1, 2, 4, 5]
+    with pytest.raises(ValueError, match="k <= n"):
+        ev.pass_at_k(4, 1, 5)
+
+
+# -----------------------------------------------------------------------------
+# scoring: outermost ORDER BY, bird vs spider comparison
+
+def test_gold_order_matters_only_for_the_outermost_order_by():
+    assert ev.gold_order_matters("SELECT name FROM singer ORDER BY age DESC")
+    assert ev.gold_order_matters("SELECT name FROM singer UNION SELECT name FROM stadium ORDER BY name")
+    assert not ev.gold_order_matters("SELECT count(*) FROM concert WHERE stadium_id = "
+                                     "(SELECT stadium_id FROM stadium ORDER BY capacity DESC LIMIT 1)")
+    assert not ev.gold_order_matters("SELECT count(*) FROM singer")
+
+
+def test_spider_scoring_respects_order_bird_does_not():
+    gold, pred = res([(1,), (2,)]), res([(2,), (1,)])
+    assert ev.is_correct(pred, gold, "bird", order_matters=True)
+    assert not ev.is_correct(pred, gold, "spider", order_matters=True)
+    assert ev.is_correct(pred, gold, "spider", order_matters=False)
+    assert not ev.is_correct(None, gold, "bird", False)
+    assert not ev.is_correct(res([], error="boom"), res([]), "bird", False)
+
+
+# -----------------------------------------------------------------------------
+# error taxonomy: one crafted failure per class on a small fixture database
+
+@pytest.fixture(scope="module")
+def concert_db(tmp_path_factory):
+    path = tmp_path_factory.mktemp("taxonomy") / "concert.sqlite"
+    con = sqlite3.connect(path)
+    con.executescript("""
+        CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name TEXT, country TEXT, age INTEGER);
+        CREATE TABLE concert (concert_id INTEGER PRIMARY KEY, concert_name TEXT, singer_id INTEGER, year INTEGER);
+        INSERT INTO singer VALUES (1, 'Joe', 'France', 52), (2, 'Ann', 'Italy', 25), (3, 'Tim', 'France', 33);
+        INSERT INTO concert VALUES (1, 'Spring', 1, 2014), (2, 'Autumn', 3, 2015);""")
+    con.commit()
+    con.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("gold, pred, label, detail", [
+    ("SELECT name FROM singer WHERE age > 30", None, "generation", "no final SQL"),
+    ("SELECT name FROM singer WHERE age > 30", "  ", "generation", "no final SQL"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE", "syntax", "parse"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT nosuchfunc(name) FROM singer", "syntax", "nosuchfunc"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singers", "hallucination", "table singers"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT nationality FROM singer", "hallucination", "nationality"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT T1.nme FROM singer AS T1 JOIN concert AS T2 "
+     "ON T1.singer_id = T2.singer_id", "hallucination", "T1.nme"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT concert_name FROM concert", "schema_linking", "concert"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE age < 30", "semantic", "gold schema"),
+    # SQLite reads "Mars" as a string, not a column: a wrong value, not a hallucinated column
+    ("SELECT name FROM singer WHERE country = 'France'", 'SELECT name FROM singer WHERE country = "Mars"',
+     "semantic", "gold schema"),
+])
+def test_error_taxonomy(concert_db, gold, pred, label, detail):
+    example = {"db_path": concert_db, "gold_sql": gold, "question": "?"}
+    got, why = ev.classify_failure(example, pred)
+    assert got == label, why
+    assert detail in why
+
+
+def test_gold_queries_reference_no_unknown_names(spider_dir):
+    # the hallucination check must not fire on correct SQL: every Spider dev gold query passes it
+    flagged = []
+    for r in json.loads((spider_dir / "dev.json").read_text()):
+        db = spider_dir / "database" / r["db_id"] / f"{r['db_id']}.sqlite"
+        if db.exists():
+            tree = ev.parse_query(r["query"])
+            if tree is None or ev.unknown_names(tree, str(db)):
+                flagged.append(r["query"])
+    assert flagged == []
+
+
+# -----------------------------------------------------------------------------
+# difficulty: Spider hardness from the gold SQL (official eval_hardness)
+
+@pytest.mark.parametrize("sql, level", [
+    ("SELECT count(*) FROM singer", "easy"),
+    ("SELECT name , country , age FROM singer ORDER BY age DESC", "medium"),
+    ("SELECT name FROM stadium WHERE stadium_id NOT IN (SELECT stadium_id FROM concert)", "hard"),
+    ("SELECT T2.name , T2.capacity FROM concert AS T1 JOIN stadium AS T2 ON T1.stadium_id = T2.stadium_id "
+     "WHERE T1.year >= 2014 GROUP BY T2.stadium_id ORDER BY count(*) DESC LIMIT 1", "extra"),
+])
+def test_spider_hardness(sql, level):
+    from data.spider.prepare import spider_hardness
+    assert spider_hardness(sql) == level
+    assert ev.difficulty_of({"gold_sql": sql, "source": "spider", "difficulty": ""}) == level
+
+
+# -----------------------------------------------------------------------------
+# self-check: the gold SQL as the prediction scores 100 % on the real Spider dev set, in both modes
+
+def test_spider_gold_as_prediction_scores_100(spider_dir):
+    examples = []
+    for i, r in enumerate(json.loads((spider_dir / "dev.json").read_text())):
+        db = spider_dir / "database" / r["db_id"] / f"{r['db_id']}.sqlite"
+        if db.exists():  # wta_1 has no database
+            examples.append({"id": i, "db_id": r["db_id"], "db_path": str(db), "gold_sql": r["query"]})
+    assert len(examples) == 972
+    golds = [ex["gold_sql"] for ex in examples]
+    for scoring in ("bird", "spider"):
+        ok = ev.score_sqls(examples, golds, scoring)
+        assert sum(ok) == len(examples), [ex["gold_sql"] for ex, o in zip(examples, ok) if not o][:5]
+    # and a wrong prediction scores wrong
+    assert ev.score_sqls(examples[:1], ["SELECT 12345"], "spider") == [False]
+
+
+def test_bird_prediction_file_format(tmp_path):
+    examples = [{"db_id": "california_schools"}, {"db_id": "financial"}]
+    ev.write_bird_predictions(tmp_path / "predict_dev.json", examples, ["SELECT 1", None])
+    assert json.loads((tmp_path / "predict_dev.json").read_text()) == {
+        "0": "SELECT 1\t----- bird -----\tcalifornia_schools", "1": "\t----- bird -----\tfinancial"}
+
+
+# -----------------------------------------------------------------------------
+# evaluate() with a scripted policy: known answers give known greedy EX, maj@K, pass@k and error labels
+
+GOLD = {"q0": "SELECT name FROM singer WHERE age > 30",
+        "q1": "SELECT count(*) FROM singer",
+        "q2": "SELECT concert_name FROM concert WHERE year = 2014",
+        "q3": "SELECT name FROM singer WHERE country = 'Italy'"}
+SCRIPT = {  # id -> (greedy final SQL, the K=3 sampled final SQLs)
+    "q0": (GOLD["q0"], [GOLD["q0"], GOLD["q0"], "SELECT name FROM singer"]),                  # maj right, c=2
+    "q1": ("SELECT count(*) + 1 FROM singer", ["SELECT 7", GOLD["q1"], GOLD["q1"]]),         # semantic; c=2
+    "q2": (None, ["SELECT nosuch FROM concert", None, GOLD["q2"]]),                        # errors don't vote; c=1
+    "q3": ("SELECT name FROM singers", ["SELECT name FROM singer WHERE country = 'Mars'", GOLD["q3"],
+                                        "SELECT name FROM singer WHERE country = 'Spain'"]),  # empty results win; c=1
+}
+
+
+def scripted_rollout(model, tokenizer, examples, protocol, *, group_size, temperature, **kw):
+    trajs = []
+    for g, ex in enumerate(examples):
+        greedy, sampled = SCRIPT[ex["id"]]
+        for sql in ([greedy] if temperature == 0 else sampled)[:group_size]:
+            trajs.append(SimpleNamespace(token_ids=[1] * 12, prompt_len=7, loss_mask=[0] * 7 + [1] * 5, num_turns=2,
+                                         num_tool_calls=1, stop_reason="answer", group=g, example=ex,
+                                         episode=SimpleNamespace(final_sql=sql)))
+    return trajs
+
+
+def test_evaluate_scripted_policy(concert_db, tmp_path, monkeypatch):
+    import rollout
+    monkeypatch.setattr(rollout, "rollout", scripted_rollout)
+    examples = [{"id": q, "db_id": "concert", "db_path": concert_db, "question": f"question {q}", "gold_sql": sql,
+                 "difficulty": "easy" if q in ("q0", "q1") else "hard", "source": "gym"} for q, sql in GOLD.items()]
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "trajectory text")
+    s = ev.evaluate(None, tokenizer, examples, samples=3, scoring="bird", batch_size=3, out_dir=tmp_path, name="s")
+    # c = [2, 2, 1, 1] correct samples of 3; pass@2 for c=1 is 1 - C(2,2)/C(3,2) = 2/3
+    expected = {"greedy_ex": 1 / 4, "maj@3": 3 / 4, "pass@1": 6 / 12, "pass@2": (1 + 1 + 2 / 3 + 2 / 3) / 4,
+                "pass@3": 1.0}
+    assert s["metrics"] == pytest.approx(expected)
+    assert s["by_difficulty"]["easy"]["greedy_ex"] == 0.5 and s["by_difficulty"]["hard"]["maj@3"] == 0.5
+    assert s["errors"]["counts"] == {"generation": 1, "syntax": 0, "hallucination": 1, "schema_linking": 0,
+                                     "semantic": 1, "gold_error": 0}
+    assert s["errors"]["examples"]["hallucination"]["final_sql"] == "SELECT name FROM singers"
+    assert s["cost"]["greedy"] == pytest.approx({"latency_s": s["cost"]["greedy"]["latency_s"], "output_tokens": 5,
+                                                 "turns": 2, "tool_calls": 1})
+    rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [r["n_correct"] for r in rows] == [2, 2, 1, 1]
+    assert [r["maj_correct"] for r in rows] == [True, True, True, False]
+    assert rows[3]["maj_sql"] == SCRIPT["q3"][1][0]  # the first member of the winning (empty) group
+    assert [r["error_label"] for r in rows] == [None, "semantic", "generation", "hallucination"]
+
+
+# -----------------------------------------------------------------------------
+# end to end: the untrained tiny model on 20 gym dev questions writes every output (EX ~ 0, not asserted)
+
+def test_end_to_end_tiny_model_on_gym(gym_dir, tmp_path):
+    import torch
+    from env import load_examples
+    from model import load_model
+    examples = load_examples(gym_dir / "dev.jsonl")
+    examples = examples[::len(examples) // 20][:20]  # spread over the levels
+    model, tokenizer = load_model("tiny", seed=0)
+    with torch.no_grad():
+        summary = ev.evaluate(model, tokenizer, examples, protocol="trust", schema_mode="none", max_turns=2,
+                              samples=2, temperature=0.8, scoring="bird", batch_size=40, seed=0,
+                              max_new_tokens=16, max_total_tokens=800, out_dir=tmp_path / "tiny", name="tiny")
+    assert set(summary["metrics"]) == {"greedy_ex", "maj@2", "pass@1", "pass@2"}
+    assert all(0.0 <= v <= 1.0 for v in summary["metrics"].values())
+    assert summary["metrics"]["pass@2"] >= summary["metrics"]["pass@1"]
+    assert sum(row["n"] for row in summary["by_difficulty"].values()) == 20
+    assert set(summary["cost"]) == {"greedy", "sampled x2"}
+    assert summary["cost"]["greedy"]["turns"] >= 1 and summary["cost"]["greedy"]["output_tokens"] > 0
+    counts = summary["errors"]["counts"]
+    n_wrong = round(20 * (1 - summary["metrics"]["greedy_ex"]))
+    assert sum(counts.values()) == n_wrong  # one label per greedy failure
+    assert set(summary["errors"]["examples"]) == {c for c, v in counts.items() if v}
+
+    assert json.loads((tmp_path / "tiny" / "summary.json").read_text())["n"] == 20
+    lines = [json.loads(line) for line in (tmp_path / "tiny" / "predictions.jsonl").read_text().splitlines()]
+    assert len(lines) == 20 and [r["id"] for r in lines] == [ex["id"] for ex in examples]
+    for r in lines:
+        assert {"final_sql", "correct", "turns", "output_tokens", "text", "error_label", "maj_correct"} <= set(r)
+        assert r["question"] in r["text"] and 1 <= r["turns"] <= 2 and len(r["samples"]) == 2
+        assert (r["error_label"] is None) == r["correct"]
+    assert "| greedy_ex |" in ev.markdown_report(summary)
+
+
+def test_cli_gold_as_prediction_on_gym(gym_dir):
+    out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--gold-as-prediction", "--limit", "50",
+                          "--data", str(gym_dir / "dev.jsonl")], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "100.00% EX (50/50" in out.stdout
