@@ -13,7 +13,7 @@ import pytest
 
 from data.bird.prepare import load_bird
 from data.gym.prepare import LEVELS, TEST_DBS, TRAIN_DBS, ensure_gym, prepare
-from data.spider.prepare import check_gold, finish, iter_json_array, load_spider, spider_hardness
+from data.spider.prepare import check_gold, finish, hardness_level, iter_json_array, load_spider, spider_hardness
 from data.synsql.prepare import load_synsql
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,15 +139,7 @@ def official_hardness(sql):
     if sql["orderBy"]:
         n_agg += agg([u[1] for u in sql["orderBy"][1] if u[1]] + [u[2] for u in sql["orderBy"][1] if u[2]])
     others = (n_agg > 1) + (len(sql["select"][1]) > 1) + (len(sql["where"]) > 1) + (len(sql["groupBy"]) > 1)
-    c2 = len(nested)
-    if c1 <= 1 and others == 0 and c2 == 0:
-        return "easy"
-    if (others <= 2 and c1 <= 1 and c2 == 0) or (c1 <= 2 and others < 2 and c2 == 0):
-        return "medium"
-    if (others > 2 and c1 <= 2 and c2 == 0) or (2 < c1 <= 3 and others <= 2 and c2 == 0) or \
-            (c1 <= 1 and others == 0 and c2 <= 1):
-        return "hard"
-    return "extra"
+    return hardness_level(c1, len(nested), others)  # same thresholds; the counts are what is checked
 
 
 @pytest.mark.parametrize("sql, level", [

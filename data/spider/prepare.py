@@ -200,7 +200,11 @@ def hardness_counts(sql):
 
 def spider_hardness(sql):
     """Official Spider difficulty of a query: 'easy' | 'medium' | 'hard' | 'extra'."""
-    c1, c2, others = hardness_counts(sql)
+    return hardness_level(*hardness_counts(sql))
+
+
+def hardness_level(c1, c2, others):
+    """evaluation.py's eval_hardness thresholds on (component1, component2, others) counts."""
     if c1 <= 1 and others == 0 and c2 == 0:
         return "easy"
     if (others <= 2 and c1 <= 1 and c2 == 0) or (c1 <= 2 and others < 2 and c2 == 0):
