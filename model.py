@@ -136,7 +136,8 @@ def _protocol_text(examples):
     try:
         import env
         texts = []
-        for protocol in env.PROTOCOLS.values():
+        for name in ["trust", "trail", "skyrl", "mtir"]:  # the base protocols only: variants must not change it
+            protocol = env.PROTOCOLS[name]
             for example in examples:
                 for schema_mode in ["none", "explore_turn"]:
                     texts += [m["content"] for m in protocol.build_messages(example, schema_mode, 5)]

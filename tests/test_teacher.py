@@ -1,0 +1,122 @@
+"""data/teacher.py: every kept trajectory replays as format-valid and matches gold, on the gym and on Spider dev.
+python -m pytest -q tests/test_teacher.py"""
+import copy
+import json
+
+import pytest
+
+import env
+from data.teacher import check_trajectory, teach, teach_all
+
+PROTOCOLS = ["trust", "trail", "mtir", "skyrl"]
+
+
+@pytest.fixture(scope="module")
+def gym_examples(gym_dir):
+    examples = env.load_examples(gym_dir / "train.jsonl")
+    by_level = {}
+    for ex in examples:  # a few of every difficulty level, so joins and nested queries are covered
+        by_level.setdefault(ex["difficulty"], [])
+        if len(by_level[ex["difficulty"]]) < 6:
+            by_level[ex["difficulty"]].append(ex)
+    return [ex for level in sorted(by_level) for ex in by_level[level]]
+
+
+def assert_valid(records, examples):
+    by_id = {ex["id"]: ex for ex in examples}
+    for rec in records:
+        ok, reason = check_trajectory(rec, by_id[rec["id"]])
+        assert ok, (rec["id"], reason)
+        roles = [m["role"] for m in rec["messages"]]
+        assert roles[-1] == "assistant"  # ends with the answer turn, no observation after it
+
+
+# -----------------------------------------------------------------------------
+# the gym
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_gym_trajectories_validate_and_match_gold(gym_examples, protocol):
+    kept, dropped = teach_all(gym_examples, protocol, max_turns=10, seed=0)
+    assert len(kept) >= 0.9 * len(gym_examples), dropped
+    assert_valid(kept, gym_examples)
+    levels = {ex["id"]: ex["difficulty"] for ex in gym_examples}
+    assert {levels[r["id"]] for r in kept} == set(levels.values())  # every level survives the check
+
+
+def test_trust_trajectory_follows_the_case_study(gym_examples):
+    """TRUST App. E: list tables, read schemas, probe values, propose, generate, confirm - all four actions."""
+    ex = next(e for e in gym_examples if "'" in e["gold_sql"])  # a question with a quoted literal to probe
+    rec, reason = teach(ex, "trust", max_turns=10, seed=0, repair_rate=0.0)
+    assert rec is not None, reason
+    turns = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+    actions = [t.split("<action>")[1].split("</action>")[0] for t in turns]
+    assert actions[:2] == ["explore_schema", "explore_schema"]
+    assert "sqlite_master" in turns[0] and "SELECT DISTINCT" in turns[2]
+    assert actions[-3:] == ["propose_schema", "generate_sql", "confirm_answer"]
+    schema = json.loads(turns[-3].split("<schema>")[1].split("</schema>")[0])
+    from rewards import extract_schema
+    gold = extract_schema(ex["gold_sql"], ex["db_path"])
+    assert {t.lower() for t in schema["tables"]} == gold["tables"]
+    assert {f"{t.lower()}.{c.lower()}" for t, cs in schema["columns"].items() for c in cs} == gold["columns"]
+
+
+def test_repaired_first_attempt_shows_the_error_and_still_passes(gym_examples):
+    recs = [teach(ex, "trust", max_turns=10, seed=0, repair_rate=1.0)[0] for ex in gym_examples[:8]]
+    repaired = [r for r in recs if r is not None and r["repaired"]]
+    assert repaired, "repair_rate=1.0 should produce failing first attempts"
+    obs = [m["content"] for m in repaired[0]["messages"] if m["role"] == env.PROTOCOLS["trust"].obs_role]
+    assert any("Error" in o for o in obs)
+    assert_valid(repaired, gym_examples)
+
+
+def test_check_rejects_wrong_answer_and_forged_observation(gym_examples):
+    ex = gym_examples[0]
+    rec, _ = teach(ex, "skyrl", max_turns=10, seed=0)
+    wrong = copy.deepcopy(rec)
+    last = wrong["messages"][-1]["content"]
+    wrong["messages"][-1]["content"] = last.split("<solution>")[0] + "<solution>SELECT 12345</solution>"
+    assert check_trajectory(wrong, ex) == (False, "final SQL does not match gold")
+    forged = copy.deepcopy(rec)
+    i = next(i for i, m in enumerate(forged["messages"]) if m["role"] == env.PROTOCOLS["skyrl"].obs_role
+             and i > len(env.PROTOCOLS["skyrl"].build_messages(ex, "none", 10)))
+    forged["messages"][i]["content"] += " 42"
+    ok, reason = check_trajectory(forged, ex)
+    assert not ok and "observation" in reason
+
+
+def test_same_seed_same_data_and_thinking_varies(gym_examples):
+    a, _ = teach_all(gym_examples[:6], "trust", seed=3)
+    b, _ = teach_all(gym_examples[:6], "trust", seed=3)
+    assert a == b
+    thinks = {r["messages"][-1]["content"].split("</think>")[0] for r in a}
+    assert len(thinks) > 1  # thinking text comes from templates that vary per example
+
+# -----------------------------------------------------------------------------
+# real Spider dev
+
+
+def spider_examples(spider_dir, n=40):
+    """Spider dev records through the data engineer's loader, a spread of databases."""
+    from data.spider.prepare import load_spider
+    records, _ = load_spider(spider_dir)
+    step = max(1, len(records) // n)
+    return records[::step][:n]
+
+
+def test_spider_dev_trajectories_validate(spider_dir):
+    examples = spider_examples(spider_dir)
+    kept, dropped = teach_all(examples, "trust", max_turns=10, seed=0)
+    assert len(kept) >= 0.8 * len(examples), dropped
+    assert_valid(kept, examples)
+    assert len({r["db_id"] for r in kept}) >= 5
+
+
+@pytest.mark.parametrize("schema_mode", ["explore_turn", "prompt"])
+def test_prefilled_schema_skips_listing_but_still_validates(gym_examples, schema_mode):
+    kept, dropped = teach_all(gym_examples[:8], "trust", max_turns=10, schema_mode=schema_mode, seed=0)
+    assert len(kept) == 8, dropped
+    assert_valid(kept, gym_examples)
+    first = next(m["content"] for m in kept[0]["messages"][len(env.PROTOCOLS["trust"].build_messages(
+        gym_examples[0], schema_mode, 10)):] if m["role"] == "assistant")
+    assert "type = 'table' AND name IN" in first  # verifies the needed tables instead of listing them all

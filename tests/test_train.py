@@ -1,0 +1,209 @@
+"""train.py: recipes, SFT loss masking (token-exact), a 2-step RL smoke run, kill + resume, DDP gradients.
+python -m pytest -q tests/test_train.py"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import env
+import train
+from model import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def teacher_record(gym_dir):
+    from data.teacher import teach
+    examples = env.load_examples(gym_dir / "train.jsonl")
+    ex = next(e for e in examples if e["difficulty"] == "extra")
+    rec, reason = teach(ex, "trust", max_turns=10, seed=0, repair_rate=1.0)
+    assert rec is not None, reason
+    return rec, ex
+
+# -----------------------------------------------------------------------------
+# recipes
+
+
+def test_recipe_sets_defaults_and_explicit_flags_win():
+    trust = train.get_args([])
+    assert (trust.recipe, trust.protocol, trust.schema_lambda, trust.max_turns, trust.group_size, trust.eps_high) == \
+        ("trust", "trust", 0.25, 10, 8, 0.28)
+    trail = train.get_args(["--recipe", "trail"])
+    assert (trail.protocol, trail.reward, trail.group_size, trail.schema_lambda, trail.top_p) == \
+        ("trail", "trail", 6, 0.0, 0.99)
+    assert train.get_args(["--recipe", "mtir"]).traj_filter
+    assert train.get_args(["--recipe", "skyrl", "--group-size", "3"]).group_size == 3  # explicit beats recipe
+    assert train.get_args(["--quick", "--sft-steps", "7"]).sft_steps == 7  # explicit beats --quick too
+
+# -----------------------------------------------------------------------------
+# SFT masking
+
+
+def test_sft_tokens_equal_the_template_and_mask_only_agent_tokens(tiny, teacher_record):
+    _, tok = tiny
+    rec, _ = teacher_record
+    messages = rec["messages"]
+    ids, mask = train.tokenize_chat(messages, tok)
+    whole = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == list(whole["input_ids"])  # token-exact with rendering the whole conversation at once
+    assert mask == list(whole["assistant_masks"])  # the template's own {% generation %} marks agree
+    trained = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    agent = "".join(m["content"] + tok.eos_token for m in messages if m["role"] == "assistant")
+    assert trained == agent  # exactly the agent's turns and their eos: no prompt, no observation, no role header
+    obs_role = env.PROTOCOLS["trust"].obs_role
+    assert any(m["role"] == obs_role and "Error" in m["content"] for m in messages)  # observations are there...
+    assert "Error" not in trained  # ...and masked
+
+
+def test_sft_sequence_is_what_rollout_feeds(tiny, teacher_record):
+    """Force rollout to replay the teacher's turns: identical token ids. The loss masks differ only where a turn
+    ended at a stop string: SFT trains the eos the template puts there, rollout feeds it."""
+    from rollout import rollout
+    model, tok = tiny
+    rec, ex = teacher_record
+    ids, mask = train.tokenize_chat(rec["messages"], tok)
+    turns, prev = [], 0
+    for i, m in enumerate(mask):  # each run of trained tokens is one assistant turn (content + eos)
+        if m and not prev:
+            turns.append([])
+        if m:
+            turns[-1].append(ids[i])
+        prev = m
+    script = lambda row, turn, sofar: turns[turn][len(sofar)] if len(sofar) < len(turns[turn]) else None
+    traj = rollout(model, tok, [ex], "trust", group_size=1, max_turns=10, max_new_tokens=512, max_total_tokens=4096,
+                   temperature=1.0, top_p=1.0, schema_mode="none", seed=0, force=script)[0]
+    assert traj.token_ids == ids
+    assert traj.stop_reason == "answer"
+    diff = [i for i, (a, b) in enumerate(zip(traj.loss_mask, mask)) if a != b]
+    assert all(ids[i] == tok.eos_token_id and mask[i] == 1 for i in diff)
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error(tiny):
+    _, tok = tiny
+    bare = type(tok).from_pretrained(tok.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        train.tokenize_chat([{"role": "user", "content": "hi"}], bare)
+
+
+def test_missing_sft_data_and_missing_database_are_clear_errors(tmp_path, tiny):
+    _, tok = tiny
+    with pytest.raises(FileNotFoundError, match="teacher.py"):
+        train.load_sft_data(tmp_path / "nope.jsonl", tok, 1024)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "db_id": "d", "db_path": "missing.sqlite", "question": "q", "evidence": "",
+                               "gold_sql": "SELECT 1", "difficulty": "easy", "source": "gym"}) + "\n")
+    with pytest.raises(FileNotFoundError, match="database"):
+        train.main(["--quick", "--data", str(bad), "--out-dir", str(tmp_path)])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no examples"):
+        train.main(["--quick", "--data", str(empty), "--out-dir", str(tmp_path)])
+
+# -----------------------------------------------------------------------------
+# end to end: quick run, kill + resume
+
+
+QUICK = ["--quick", "--sft-steps", "2", "--rl-steps", "2", "--eval-limit", "2", "--teacher-limit", "12"]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+    ckpt = train.latest_checkpoint(run_dir)
+    return ckpt, load_file(next(ckpt.glob("*.safetensors")))
+
+
+def test_quick_run_sft_then_two_rl_steps(tmp_path):
+    state = train.main(QUICK + ["--out-dir", str(tmp_path)])
+    run = tmp_path / "quick"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    for key in ("reward_full", "reward_schema", "ex", "turns", "tool_calls", "sampled_tokens", "loss_full",
+                "loss_schema", "clip_frac_high", "time_rollout", "time_env", "time_update"):
+        assert key in rl[0], key
+    assert set(state["evals"]) == {"sft", "rl"}
+    ckpt, _ = final_weights(run)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(ckpt)  # a plain HF folder
+    assert AutoTokenizer.from_pretrained(ckpt).chat_template
+    assert json.loads((ckpt / "state.json").read_text())["global_step"] == 4
+    assert sum(p.numel() for p in model.parameters()) > 1e6
+
+
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
+    args = QUICK + ["--sft-steps", "2", "--rl-steps", "2", "--filter-k", "2", "--filter-limit", "2",
+                    "--filter-pass-rate", "1.01", "--eval-limit", "1", "--max-new-tokens", "12"]
+    train.main(args + ["--out-dir", str(tmp_path / "a")])
+    with pytest.raises(SystemExit):  # "killed" right after the checkpoint at global step 3 (RL step 1)
+        train.main(args + ["--out-dir", str(tmp_path / "b"), "--stop-after", "3"])
+    assert train.latest_checkpoint(tmp_path / "b" / "quick").name == "ckpt-000003"
+    train.main(args + ["--out-dir", str(tmp_path / "b"), "--resume"])
+    (ca, wa), (cb, wb) = final_weights(tmp_path / "a" / "quick"), final_weights(tmp_path / "b" / "quick")
+    assert ca.name == cb.name == "ckpt-000004"
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    strip = lambda p: [{k: v for k, v in json.loads(l).items() if not k.startswith("time")}
+                       for l in (p / "quick" / "metrics.jsonl").read_text().splitlines()]
+    assert strip(tmp_path / "a") == strip(tmp_path / "b")
+    assert len(list((tmp_path / "b" / "quick").glob("ckpt-*"))) == 2  # keep last K
+    assert not list((tmp_path / "b" / "quick").glob(".tmp-*"))
+
+# -----------------------------------------------------------------------------
+# DDP: 2 gloo processes compute the same gradient as one process
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DDP_SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train
+from model import load_model
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model, tok = load_model("tiny", seed=0)
+model.train()
+g = torch.Generator().manual_seed(0)
+rows = []
+for n in (30, 50, 20, 40):  # 4 sequences of different lengths and agent-token counts
+    ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
+    rows.append((ids, [int(i > n // 3) for i in range(n)]))
+mine = rows[rank::world]
+tokens = train.all_reduce_sum(torch.tensor(float(sum(sum(m[1:]) for _, m in mine)))).item()
+loss_fn = train.AgentTokenLoss(model)
+wrapped = torch.nn.parallel.DistributedDataParallel(loss_fn) if world > 1 else loss_fn
+ids, mask = train.pad_batch(mine, tok.pad_token_id, "cpu")
+wrapped(ids, mask, tokens, world).backward()
+if rank == 0:
+    torch.save({n: p.grad for n, p in model.named_parameters()}, sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_gradients_match_single_process(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    for world in (1, 2):
+        envs = dict(os.environ, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
+               str(_free_port()), str(script), str(ROOT), str(tmp_path / f"grad{world}.pt")]
+        subprocess.run(cmd, check=True, env=envs, cwd=tmp_path, timeout=120, capture_output=True)
+    one, two = torch.load(tmp_path / "grad1.pt"), torch.load(tmp_path / "grad2.pt")
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)

@@ -1,0 +1,803 @@
+"""
+Train a text-to-SQL agent: SFT warm-up on multi-turn trajectories, then multi-turn GRPO against a live database.
+
+    python train.py                                   # the CPU demo: gym + teacher, SFT, dual-track GRPO, eval
+    python train.py --quick                           # a few steps of everything (what the tests run)
+    python train.py --recipe trail --model Qwen/Qwen2.5-Coder-3B-Instruct --data data/spider/train.jsonl \\
+        --sft-data out/teacher/spider_trail.jsonl --dev-data data/spider/dev.jsonl
+    torchrun --nproc_per_node=8 train.py --recipe trust --model Qwen/Qwen3-4B --data ... --fsdp
+
+A recipe (--recipe trust|trail|mtir|skyrl) is a dict of flag defaults taken from its paper; explicit flags win.
+Checkpoints (out/<run>/ckpt-XXXXXX) are save_pretrained folders plus optimizer/scheduler/RNG/data position;
+--resume continues the latest one exactly.
+"""
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+import env  # noqa: E402
+from model import load_model  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
+
+# -----------------------------------------------------------------------------
+# recipes: plain dicts of flag defaults from each paper (explicit flags override them)
+
+RECIPES = {
+    # TRUST-SQL §3.4, App. A.3/B: dual-track with λ=0.25, 10 turns, G=8, clip-higher 0.28, keep pass rate < 6/8
+    "trust": dict(protocol="trust", reward="trust", schema_lambda=0.25, max_turns=10, group_size=8,
+                  eps_low=0.2, eps_high=0.28, traj_filter=False),
+    # SQL-Trail §4.1, A.5: six-term panel (single track), 10 turns, G=6, clip-higher, no KL, top-p 0.99, T=1
+    "trail": dict(protocol="trail", reward="trail", schema_lambda=0.0, max_turns=10, group_size=6,
+                  eps_low=0.2, eps_high=0.28, traj_filter=False, top_p=0.99, temperature=1.0),
+    # MTIR-SQL: trajectory filter, no KL, 6 turns, G=5
+    "mtir": dict(protocol="mtir", reward="mtir", schema_lambda=0.0, max_turns=6, group_size=5,
+                 eps_low=0.2, eps_high=0.2, traj_filter=True),
+    # SkyRL-SQL §4.1: -1/0/1 reward, 5 turns, G=5
+    "skyrl": dict(protocol="skyrl", reward="skyrl", schema_lambda=0.0, max_turns=5, group_size=5,
+                  eps_low=0.2, eps_high=0.2, traj_filter=False),
+}
+# --model tiny (the default): the CPU demo's sizes, on top of the recipe
+TINY = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0,
+            sft_steps=600, sft_batch_size=8, micro_batch_size=4, sft_lr=3e-3, warmup_ratio=0.05, rl_steps=40,
+            rl_batch_size=4, rl_lr=2e-4, max_new_tokens=128, max_total_tokens=1024, filter_k=8, filter_limit=128,
+            filter_drop_unsolved=1, ckpt_every=100, eval_batch_size=200)
+# --quick: a few steps of every stage, small enough for a test
+QUICK = dict(sft_steps=2, rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2, teacher_limit=16,
+             eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024,
+             filter_k=0, filter_limit=0, filter_drop_unsolved=0, run="quick")
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--stage", default="both", choices=["sft", "rl", "both"])
+    a("--recipe", default="trust", choices=sorted(RECIPES))
+    a("--model", default="tiny", help='"tiny" or a Hugging Face id / save_pretrained folder (e.g. a checkpoint)')
+    a("--tiny-shape", default="", help='overrides of model.TINY, e.g. "hidden_size=128,num_hidden_layers=3"')
+    a("--data", default=None, help="RL training examples JSONL (default: the gym's train split)")
+    a("--sft-data", default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
+    a("--dev-data", default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
+    a("--test-data", default=None, help="test examples JSONL evaluated at the end (default: gym test)")
+    a("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"])
+    a("--reward", default="trust", help="key of rewards.REWARDS")
+    a("--schema-mode", default="none", help="none (unknown schema) or explore_turn (schema prefilled)")
+    a("--brief-prompt", type=int, default=0, help="1 = a short system prompt instead of the paper's (CPU demo)")
+    a("--obs-rows", type=int, default=0, help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
+    a("--teacher-probes", type=int, default=2, help="filtered columns whose values the teacher probes")
+    a("--teacher-distractors", type=int, default=1, help="extra tables whose schema the teacher reads")
+    a("--teacher-list-tables", type=int, default=1, help="0: the teacher skips listing tables (shorter)")
+    # lengths and sampling
+    a("--max-turns", type=int, default=10)
+    a("--max-new-tokens", type=int, default=2048, help="per assistant turn")
+    a("--max-total-tokens", type=int, default=16384, help="whole trajectory (prompt + turns + observations)")
+    a("--temperature", type=float, default=1.0)
+    a("--top-p", type=float, default=1.0)
+    # SFT
+    a("--sft-steps", type=int, default=150, help="TRUST: 9.2k questions x 2 epochs / batch 256")
+    a("--sft-batch-size", type=int, default=128, help="trajectories per step, all ranks together")
+    a("--sft-lr", type=float, default=1e-5)
+    a("--teacher-limit", type=int, default=0, help="teacher trajectories from the first N examples (0 = all)")
+    # RL
+    a("--rl-steps", type=int, default=200)
+    a("--rl-batch-size", type=int, default=32, help="prompts per step, all ranks together (x group size rollouts)")
+    a("--rl-lr", type=float, default=1e-6)
+    a("--group-size", type=int, default=8)
+    a("--schema-lambda", type=float, default=0.25, help="weight of TRUST's schema track (0 = single track)")
+    a("--eps-low", type=float, default=0.2)
+    a("--eps-high", type=float, default=0.28)
+    a("--traj-filter", type=int, default=0, help="MTIR trajectory filter: drop truncated / unfinished rollouts")
+    a("--filter-pass-rate", type=float, default=0.75, help="keep questions with pass rate below this (TRUST <6/8)")
+    a("--filter-drop-unsolved", type=int, default=0, help="1: also drop pass rate 0 (SQL-Trail's hard-but-solvable)")
+    a("--filter-k", type=int, default=8, help="rollouts per question for the difficulty filter (0 = no filter)")
+    a("--filter-limit", type=int, default=0, help="candidate questions for the filter (0 = all)")
+    # optimisation
+    a("--warmup-ratio", type=float, default=0.1)
+    a("--weight-decay", type=float, default=0.01)
+    a("--grad-clip", type=float, default=1.0)
+    a("--micro-batch-size", type=int, default=0, help="sequences per forward (0 = whole local batch)")
+    # eval, checkpoints, logging
+    a("--eval-every", type=int, default=0, help="RL steps between dev evals (0 = only after each stage)")
+    a("--eval-limit", type=int, default=0, help="dev/test examples per eval (0 = all)")
+    a("--eval-batch-size", type=int, default=64, help="trajectories decoded together in eval")
+    a("--ckpt-every", type=int, default=50)
+    a("--keep-ckpts", type=int, default=2)
+    a("--resume", action="store_true", help="continue the latest checkpoint in out/<run>")
+    a("--stop-after", type=int, default=0, help="exit right after the checkpoint at this global step (tests)")
+    a("--out-dir", default=str(ROOT / "out"))
+    a("--run", default="demo")
+    a("--seed", type=int, default=0)
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of DDP")
+    a("--wandb", action="store_true")
+    a("--quick", action="store_true", help="a few steps of each stage (smoke test)")
+    return p
+
+
+def get_args(argv=None):
+    """Parse once for --recipe/--model/--quick, make their presets the defaults, parse again: explicit flags win."""
+    parser = get_parser()
+    first, _ = parser.parse_known_args(argv)
+    parser.set_defaults(**RECIPES[first.recipe])
+    if first.model == "tiny":
+        parser.set_defaults(**TINY)
+    if first.quick:
+        parser.set_defaults(**QUICK)
+    return parser.parse_args(argv)
+
+# -----------------------------------------------------------------------------
+# --brief-prompt / --obs-rows: a variant of an env protocol registered under "<name>-<variant>". The paper prompts
+# cost hundreds of tokens per sequence, which the CPU demo pays on every step; everything else is unchanged.
+
+BRIEF_SYSTEM = {
+    "trust": "Answer with SQL. Each turn: <think>, then one <action>: explore_schema or generate_sql with a "
+             "<tool_call>, propose_schema with a <schema>, confirm_answer with an <answer>.",
+    "trail": "Answer with SQL. Each turn: <reasoning>, then <sql> to run a query or <solution> to answer.",
+    "skyrl": "Answer with SQL. Each turn: <think>, then <sql> to run a query or <solution> to answer.",
+    "mtir": "Answer with SQL. Each turn: <think>, then a <tool_call> to run a query or an <answer>.",
+}
+
+
+def protocol_variant(name, brief, obs_rows):
+    """Register (idempotently) and return the protocol name to use: name itself, or e.g. "trust-brief-rows10"."""
+    if not brief and not obs_rows:
+        return name
+    import dataclasses
+    base = env.PROTOCOLS[name]
+    variant = name + ("-brief" if brief else "") + (f"-rows{obs_rows}" if obs_rows else "")
+
+    def build_messages(example, schema_mode, max_turns):
+        msgs = base.build_messages(example, schema_mode, max_turns)
+        return [{"role": "system", "content": BRIEF_SYSTEM[name]}] + msgs[1:] if brief else msgs
+    env.PROTOCOLS[variant] = dataclasses.replace(base, name=variant, build_messages=build_messages,
+                                                 max_rows=obs_rows or base.max_rows)
+    return variant
+
+
+# -----------------------------------------------------------------------------
+# distributed setup: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain python is a world of one
+
+
+def setup_distributed(args):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        cuda = args.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = f"cuda:{local}" if args.device.startswith("cuda") else args.device
+    return rank, world, device
+
+
+def all_reduce_sum(x):
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+# -----------------------------------------------------------------------------
+# SFT data: chat-message trajectories -> token ids + a loss mask covering only the agent's tokens
+
+
+def render(tokenizer, messages, add_generation_prompt=False):
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_chat(messages, tokenizer):
+    """(ids, mask) for one trajectory. The chat template renders growing prefixes; each new piece is tokenized on its
+    own, which is how rollout builds sequences (prompt, sampled turn, observation...). mask = 1 on an assistant
+    turn's content and its closing eos, 0 on the prompt, role headers and observations."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; SFT renders trajectories with it. Use a chat model or "
+                         "set tokenizer.chat_template (model.CHAT_TEMPLATE is ChatML)")
+    eos = tokenizer.eos_token
+    ids, mask, done = [], [], ""
+
+    def add(text, trained):
+        if text:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids.extend(piece)
+            mask.extend([int(trained)] * len(piece))
+
+    for i, msg in enumerate(messages):
+        full = render(tokenizer, messages[: i + 1])
+        if msg["role"] == "assistant":
+            head = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+            end = full.find(eos, len(head) + len(msg["content"]))
+            if not head.startswith(done) or not full.startswith(head) or end < 0:
+                raise ValueError("chat template is not prefix-stable around assistant turns (e.g. it drops earlier "
+                                 "<think> blocks); multi-turn training needs one that renders history unchanged")
+            add(head[len(done):], False)  # "<|im_start|>assistant\n"
+            add(full[len(head): end + len(eos)], True)  # the turn and its eos: what the policy samples
+            add(full[end + len(eos):], False)  # template tail after eos ("\n")
+        else:
+            if not full.startswith(done):
+                raise ValueError("chat template is not prefix-stable: rendering more messages changed earlier text")
+            add(full[len(done):], False)
+        done = full
+    return ids, mask
+
+
+def load_sft_data(path, tokenizer, max_len, rank=0):
+    """Tokenized trajectories from a JSONL of {"messages": [...]}; too long ones are dropped (and counted)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data {path} not found; write it with `python data/teacher.py --out {path}`")
+    rows, too_long = [], 0
+    for line in path.read_text().splitlines():
+        if line.strip():
+            ids, mask = tokenize_chat(json.loads(line)["messages"], tokenizer)
+            if len(ids) > max_len:
+                too_long += 1
+            else:
+                rows.append((ids, mask))
+    if not rows:
+        raise ValueError(f"{path}: no usable SFT trajectories ({too_long} longer than --max-total-tokens {max_len})")
+    if rank == 0:
+        lens = [len(r[0]) for r in rows]
+        agent = [sum(r[1]) for r in rows]
+        print(f"sft data: {len(rows)} trajectories, mean {np.mean(lens):.0f} tokens ({np.mean(agent):.0f} agent), "
+              f"max {max(lens)}, dropped {too_long} longer than {max_len}")
+    return rows
+
+
+def pad_batch(rows, pad_id, device):
+    """Right-padded (B, T) ids, (B, T) loss mask."""
+    T = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, (x, m) in enumerate(rows):
+        ids[i, : len(x)], mask[i, : len(m)] = torch.tensor(x), torch.tensor(m)
+    return ids.to(device), mask.to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n, seed, epoch):
+    """A fixed permutation per (seed, epoch): the data order depends only on the position, so resume replays it."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def take(n, batch_size, seed, position):
+    """Indices [position, position + batch_size) of the endless sequence of epoch permutations."""
+    out = []
+    while len(out) < batch_size:
+        epoch, i = divmod(position, n)
+        out.append(epoch_order(n, seed, epoch)[i])
+        position += 1
+    return out
+
+
+class AgentTokenLoss(torch.nn.Module):
+    """SFT loss as a module, so DDP wraps the whole computation: summed next-token NLL over agent tokens divided by
+    ALL ranks' agent tokens, x world because DDP averages gradients. The LM head runs only on positions that predict
+    an agent token: most of a multi-turn sequence is prompt and observations."""
+
+    def __init__(self, model, full_forward=False):
+        super().__init__()
+        self.model, self.full_forward = model, full_forward  # FSDP: go through the root module's forward
+
+    def forward(self, ids, mask, global_tokens, world):  # ids, mask: (B, T), right padded
+        target = mask[:, 1:] > 0  # position t-1 predicts token t
+        if self.full_forward:
+            logits = self.model(input_ids=ids).logits[:, :-1][target].float()  # (N, V)
+        else:
+            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1][target]  # (N, D)
+            logits = self.model.get_output_embeddings()(hidden).float()  # (N, V)
+        return F.cross_entropy(logits, ids[:, 1:][target], reduction="sum") / global_tokens * world
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: save_pretrained weights + tokenizer, trainer state, per-rank RNG; temp dir then atomic rename
+
+
+def rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def full_state_dict(model, fsdp):
+    if not fsdp:
+        return None  # save_pretrained reads the (unwrapped) module itself
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optim_state(model, optimizer, fsdp):
+    if not fsdp:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
+    """out/<run>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
+    final, tmp = run_dir / f"ckpt-{gstep:06d}", run_dir / f".tmp-ckpt-{gstep:06d}"
+    weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
+    opt = optim_state(model, optimizer, args.fsdp)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        unwrap(model).save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": opt, "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "global_step": gstep, "args": vars(args)}, indent=1))
+    barrier()
+    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")  # every rank its own stream
+    barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # atomic: a kill leaves either the old set or the complete new one
+        for old in sorted(run_dir.glob("ckpt-*"))[: -args.keep_ckpts]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def latest_checkpoint(run_dir):
+    ckpts = sorted(Path(run_dir).glob("ckpt-*"))
+    return ckpts[-1] if ckpts else None
+
+
+def load_trainer_state(path, model, optimizer, scheduler, args, rank):
+    """Optimizer, scheduler and this rank's RNG from a checkpoint (its weights are loaded before sharding)."""
+    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    if args.fsdp and dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    rng = path / f"rng-rank{rank}.pt"
+    if rng.exists():
+        set_rng_state(torch.load(rng, weights_only=False))
+
+
+def load_weights(model, path):
+    """save_pretrained safetensors -> model. Tied embeddings are stored once; anything else missing is an error."""
+    from safetensors.torch import load_file
+    weights = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        weights.update(load_file(f))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if [k for k in missing if "lm_head" not in k] or unexpected:
+        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}); was it written by a run with another --model?")
+    return model
+
+
+def make_optimizer(model, lr, steps, args):
+    """AdamW (betas 0.9/0.95, SQL-Trail A.5) with linear warmup then cosine decay."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    warm = max(1, int(args.warmup_ratio * steps))
+    cosine = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
+
+# -----------------------------------------------------------------------------
+# RL: rollouts -> rewards -> GRPO, with the difficulty filter in front
+
+
+def rollout_kwargs(args, temperature=None):
+    return dict(group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+                max_total_tokens=args.max_total_tokens, temperature=args.temperature if temperature is None else
+                temperature, top_p=args.top_p, schema_mode=args.schema_mode)
+
+
+def difficulty_filter(policy, tokenizer, examples, args, rank, world):
+    """TRUST App. A.3: roll each candidate k times with the current policy, keep pass rate < threshold.
+    Each rank filters a strided share; the kept ids are gathered so every rank holds the same pool."""
+    from rewards import REWARDS
+    from rollout import rollout
+    mine = examples[rank::world]
+    kept, chunk = [], max(1, 64 // args.filter_k)
+    kw = rollout_kwargs(args) | {"group_size": args.filter_k}
+    for start in range(0, len(mine), chunk):
+        part = mine[start: start + chunk]
+        with torch.no_grad():
+            trajs = rollout(policy, tokenizer, part, args.protocol, seed=args.seed * 7919 + rank * 104729 + start, **kw)
+        for i, ex in enumerate(part):
+            group = trajs[i * args.filter_k: (i + 1) * args.filter_k]
+            rate = np.mean([REWARDS[args.reward](t, ex)["correct"] for t in group])
+            if rate < args.filter_pass_rate and (rate > 0 or not args.filter_drop_unsolved):
+                kept.append(ex["id"])
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, kept)
+        kept = [i for part in gathered for i in part]
+    kept = set(kept)
+    return [ex for ex in examples if ex["id"] in kept]
+
+
+def rl_step_metrics(trajs, rewards, times, grpo_metrics, world):
+    """Means over this step's trajectories on all ranks, plus grpo's (already global) metrics."""
+    keys = sorted({k for r in rewards for k, v in r.items() if isinstance(v, (int, float))})
+    local = {f"reward_{k}": sum(float(r.get(k) or 0.0) for r in rewards) for k in keys}
+    local |= {"ex": sum(r["correct"] for r in rewards), "turns": sum(t.num_turns for t in trajs),
+              "tool_calls": sum(t.num_tool_calls for t in trajs), "sampled_tokens": sum(sum(t.loss_mask) for t in trajs),
+              "seq_tokens": sum(len(t.token_ids) for t in trajs),
+              "answered": sum(t.episode.final_sql is not None for t in trajs), "n": len(trajs)}
+    tot = all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()
+    tot = dict(zip(local, tot))
+    n = max(tot.pop("n"), 1)
+    out = {k: v / n for k, v in tot.items()}
+    out |= {f"time_{k}": v for k, v in times.items()}
+    out |= {k: v for k, v in grpo_metrics.items() if isinstance(v, (int, float, bool))}
+    return out
+
+# -----------------------------------------------------------------------------
+# evaluation, logging, curves
+
+
+def evaluate_ex(model, tokenizer, examples, args, rank, world, name):
+    """Greedy EX through eval.evaluate on this rank's share, summed over ranks."""
+    from eval import evaluate
+    mine = examples[rank::world]
+    scoring = "spider" if all(ex.get("source") == "spider" for ex in examples) else "bird"
+    s = evaluate(unwrap(model), tokenizer, mine, protocol=args.protocol, schema_mode=args.schema_mode,
+                 max_turns=args.max_turns, samples=1, scoring=scoring, batch_size=args.eval_batch_size, seed=args.seed,
+                 max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens, name=name)
+    tot = all_reduce_sum(torch.tensor([s["metrics"]["greedy_ex"] * len(mine), s["cost"]["greedy"]["turns"] * len(mine),
+                                       len(mine)], dtype=torch.float64)).tolist()
+    return {"ex": tot[0] / tot[2], "turns": tot[1] / tot[2], "n": int(tot[2])}
+
+
+class Logger:
+    """metrics.jsonl (+ wandb) on rank 0. On resume, lines past the checkpoint are dropped so the log stays exact."""
+
+    def __init__(self, run_dir, args, rank, gstep):
+        self.on, self.path, self.wandb = rank == 0, run_dir / "metrics.jsonl", None
+        if not self.on:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        old = self.path.read_text().splitlines() if self.path.exists() and args.resume else []
+        self.path.write_text("".join(line + "\n" for line in old if json.loads(line)["gstep"] <= gstep))
+        if args.wandb:
+            import wandb
+            self.wandb = wandb.init(project="sqlrl", name=args.run, config=vars(args), resume="allow")
+
+    def log(self, row):
+        if self.on:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.wandb:
+                self.wandb.log(row, step=row["gstep"])
+
+    def rows(self):
+        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+
+def plot_curves(rows, path):
+    """curves.png: SFT loss, RL reward, dev EX and turns over steps (skipped without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
+    rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
+    ev = [r for r in rows if "dev_ex" in r]
+    fig, ax = plt.subplots(1, 4, figsize=(16, 3.5))
+    ax[0].plot([r["gstep"] for r in sft], [r["loss"] for r in sft]); ax[0].set_title("SFT loss")
+    ax[1].plot([r["gstep"] for r in rl], [r["reward_full"] for r in rl], label="full")
+    if rl and "reward_schema" in rl[0]:
+        ax[1].plot([r["gstep"] for r in rl], [r["reward_schema"] for r in rl], label="schema")
+    ax[1].plot([r["gstep"] for r in rl], [r["ex"] for r in rl], label="train EX"); ax[1].legend()
+    ax[1].set_title("RL reward")
+    ax[2].plot([r["gstep"] for r in ev], [r["dev_ex"] for r in ev], "o-"); ax[2].set_title("dev EX")
+    ax[3].plot([r["gstep"] for r in rl], [r["turns"] for r in rl]); ax[3].set_title("turns per trajectory")
+    for a in ax:
+        a.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+# -----------------------------------------------------------------------------
+# the two stages
+
+
+def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
+    """Masked-NLL SFT for args.sft_steps steps of args.sft_batch_size trajectories (all ranks together)."""
+    rank, world, device, log = ctx["rank"], ctx["world"], ctx["device"], ctx["log"]
+    opt, sched = make_optimizer(model, args.sft_lr, args.sft_steps, args)
+    if ckpt is not None:
+        load_trainer_state(ckpt, model, opt, sched, args, rank)
+    wrapped = ctx["wrap"](AgentTokenLoss(model, full_forward=args.fsdp))
+    micro = args.micro_batch_size or args.sft_batch_size
+    model.train()
+    bar = tqdm(range(state["step"], args.sft_steps), desc="sft", disable=rank != 0, initial=state["step"],
+               total=args.sft_steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        idx = take(len(rows), args.sft_batch_size, args.seed, step * args.sft_batch_size)
+        mine = sorted((rows[i] for i in idx[rank::world]), key=lambda r: len(r[0]))  # similar lengths: less padding
+        tokens = all_reduce_sum(torch.tensor(float(sum(sum(m[1:]) for _, m in mine)))).item()
+        loss_sum = 0.0
+        chunks = [mine[i: i + micro] for i in range(0, len(mine), micro)]  # global normaliser: split-invariant
+        for j, chunk in enumerate(chunks):
+            ids, mask = pad_batch(chunk, tokenizer.pad_token_id, device)
+            sync = j == len(chunks) - 1 or not hasattr(wrapped, "no_sync")
+            with (ctx["autocast"]()), (wrapped.no_sync() if not sync else nullcontext()):
+                loss = wrapped(ids, mask, tokens, world)
+                loss.backward()
+            loss_sum += loss.item() / world
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_all = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64)).item()
+        state["step"], state["gstep"] = step + 1, state["gstep"] + 1
+        log.log({"stage": "sft", "step": step + 1, "gstep": state["gstep"], "loss": loss_all, "grad_norm": grad_norm,
+                 "lr": sched.get_last_lr()[0], "tokens": tokens, "time_update": time.perf_counter() - t0})
+        bar.set_postfix(loss=f"{loss_all:.3f}")
+        ctx["maybe_save"](opt, sched, final=step + 1 == args.sft_steps)
+    model.eval()
+
+
+def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
+    """Multi-turn GRPO: each rank rolls out its share of prompts (whole groups), rewards, one grpo_step."""
+    from grpo import GRPOConfig, grpo_step
+    from rewards import REWARDS
+    from rollout import rollout
+    rank, world, log = ctx["rank"], ctx["world"], ctx["log"]
+    if args.fsdp and world > 1:
+        raise NotImplementedError("--fsdp covers SFT only: rollout.py and grpo.grpo_step read the LM head directly and "
+                                  "all-reduce full gradients, which assumes replicated (DDP-style) parameters. Run RL "
+                                  "without --fsdp from the SFT checkpoint (--stage rl --model out/<run>/ckpt-...)")
+    if args.rl_batch_size % world:
+        raise ValueError(f"--rl-batch-size {args.rl_batch_size} must be a multiple of the world size {world}")
+    opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
+    if ckpt is not None:
+        load_trainer_state(ckpt, model, opt, sched, args, rank)
+    cfg = GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
+                     eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
+                     micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
+                     trajectory_filter=bool(args.traj_filter), pad_id=tokenizer.pad_token_id)
+    reward_fn = REWARDS[args.reward]
+    bar = tqdm(range(state["step"], args.rl_steps), desc="rl", disable=rank != 0, initial=state["step"],
+               total=args.rl_steps)
+    for step in bar:
+        idx = take(len(pool), args.rl_batch_size, args.seed + 1, step * args.rl_batch_size)
+        mine = [pool[i] for i in idx[rank::world]]  # whole groups stay on one rank
+        t0 = time.perf_counter()
+        model.eval()
+        with ctx["autocast"]():
+            trajs = rollout(model, tokenizer, mine, args.protocol, seed=(args.seed * 100_003 + step) * 1009 + rank,
+                            **rollout_kwargs(args))
+        t1 = time.perf_counter()
+        rewards = [reward_fn(t, t.example) for t in trajs]
+        t2 = time.perf_counter()
+        with ctx["autocast"]():
+            gm = grpo_step(model, opt, trajs, rewards, cfg)
+        sched.step()
+        t3 = time.perf_counter()
+        # rollout = generation + the tool calls it makes; env = executing final SQL against gold for the rewards
+        times = {"rollout": t1 - t0, "env": t2 - t1, "update": t3 - t2}
+        state["step"], state["gstep"] = step + 1, state["gstep"] + 1
+        row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": sched.get_last_lr()[0],
+               **rl_step_metrics(trajs, rewards, times, gm, world)}
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.rl_steps:
+            row["dev_ex"] = evaluate_ex(model, tokenizer, ctx["dev"], args, rank, world, "dev")["ex"]
+        log.log(row)
+        bar.set_postfix(reward=f"{row['reward_full']:.2f}", ex=f"{row['ex']:.2f}", turns=f"{row['turns']:.1f}")
+        ctx["maybe_save"](opt, sched, final=step + 1 == args.rl_steps)
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = get_args(argv)
+    rank, world, device = setup_distributed(args)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_dir = Path(args.out_dir) / args.run
+    stages = ["sft", "rl"] if args.stage == "both" else [args.stage]
+    master = rank == 0
+
+    # --- data: default to the gym (built once, by rank 0)
+    if None in (args.data, args.dev_data, args.test_data):
+        from data.gym.prepare import ensure_gym
+        if master:
+            ensure_gym(seed=0)
+        barrier()
+        gym = ensure_gym(seed=0)
+        args.data = args.data or str(gym / "train.jsonl")
+        args.dev_data = args.dev_data or str(gym / "dev.jsonl")
+        args.test_data = args.test_data or str(gym / "test.jsonl")
+    train = env.load_examples(args.data)
+    dev = env.load_examples(args.dev_data)[: args.eval_limit or None]
+    test = env.load_examples(args.test_data)[: args.eval_limit or None]
+
+    # --- resume: the latest checkpoint's state decides which stage and step we are at
+    ckpt = latest_checkpoint(run_dir) if args.resume else None
+    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "rl_pool": None}
+    if ckpt is not None:
+        state.update({k: v for k, v in json.loads((ckpt / "state.json").read_text()).items() if k in state})
+        state["gstep"] = json.loads((ckpt / "state.json").read_text())["global_step"]
+        if master:
+            print(f"resuming {ckpt} ({state['stage']} step {state['step']})")
+    elif master and run_dir.exists() and any(run_dir.glob("ckpt-*")):
+        print(f"note: {run_dir} has checkpoints from an earlier run; they are replaced (use --resume to continue)")
+        for old in run_dir.glob("ckpt-*"):
+            shutil.rmtree(old)
+    barrier()
+
+    # --- model: fp32 master weights; bf16 autocast and gradient checkpointing on GPU
+    model, tokenizer = load_model(args.model, device=device, seed=args.seed)
+    if args.model == "tiny" and args.tiny_shape:  # a smaller/faster tiny model for the CPU demo
+        from model import build_tiny
+        shape = {k: int(v) for k, v in (kv.split("=") for kv in args.tiny_shape.split(","))}
+        model = build_tiny(tokenizer, seed=args.seed, device=device, **shape).eval()
+    # registered after load_model: the tiny tokenizer's corpus reads env.PROTOCOLS, and must not change with flags
+    base_protocol, args.protocol = args.protocol, protocol_variant(args.protocol, args.brief_prompt, args.obs_rows)
+    try:
+        return run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, rank, world, device)
+    finally:
+        if args.protocol != base_protocol:
+            env.PROTOCOLS.pop(args.protocol, None)  # leave the registry as we found it (in-process callers, tests)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, rank, world, device):
+    """Both stages and the report, after setup (main)."""
+    master, cuda = rank == 0, device.startswith("cuda")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{args.model}: tokenizer has no chat template; sqlrl needs one to render turns")
+    if ckpt is not None:  # weights first; optimizer state is loaded by the stage that owns it
+        model = load_weights(model, ckpt)
+    if cuda:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
+    if args.fsdp and world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif world > 1:  # same starting weights everywhere (DDP would do it too, but RL uses the bare model)
+        for p in model.state_dict().values():
+            dist.broadcast(p, 0)
+
+    def wrap(m):
+        if world > 1 and not args.fsdp:
+            from torch.nn.parallel import DistributedDataParallel
+            return DistributedDataParallel(m, device_ids=[int(os.environ.get("LOCAL_RANK", 0))] if cuda else None)
+        return m
+
+    log = Logger(run_dir, args, rank, state["gstep"])
+
+    def maybe_save(opt, sched, final=False):
+        due = args.ckpt_every and state["gstep"] % args.ckpt_every == 0
+        if due or final:
+            save_checkpoint(run_dir, state["gstep"], model, tokenizer, opt, sched, state, args, rank, world)
+        if args.stop_after and state["gstep"] == args.stop_after:
+            if master:
+                print(f"--stop-after {args.stop_after}: stopping like a killed run")
+            sys.exit(0)
+
+    ctx = dict(rank=rank, world=world, device=device, log=log, wrap=wrap, autocast=autocast, maybe_save=maybe_save,
+               dev=dev)
+
+    def record_eval(tag):
+        if tag in state["evals"]:
+            return
+        with torch.no_grad(), autocast():
+            state["evals"][tag] = {"dev": evaluate_ex(model, tokenizer, dev, args, rank, world, f"{tag}-dev"),
+                                   "test": evaluate_ex(model, tokenizer, test, args, rank, world, f"{tag}-test")}
+        log.log({"stage": "eval", "after": tag, "step": state["step"], "gstep": state["gstep"],
+                 "dev_ex": state["evals"][tag]["dev"]["ex"], "test_ex": state["evals"][tag]["test"]["ex"]})
+        if master:
+            e = state["evals"][tag]
+            print(f"[{tag}] dev EX {100 * e['dev']['ex']:.1f}% ({e['dev']['n']})  "
+                  f"test EX {100 * e['test']['ex']:.1f}% ({e['test']['n']})")
+
+    # --- stage 1: SFT on teacher (or any) trajectories
+    if "sft" in stages and state["stage"] == "sft":
+        sft_path = Path(args.sft_data) if args.sft_data else run_dir / f"teacher_{args.protocol}.jsonl"
+        if args.sft_data is None and master and not (args.resume and sft_path.exists()):  # fresh run: fresh data
+            make_teacher_data(train[: args.teacher_limit or None], sft_path, args)
+        barrier()
+        rows = load_sft_data(sft_path, tokenizer, args.max_total_tokens, rank)
+        train_sft(model, tokenizer, rows, args, ctx, state, ckpt if ckpt is not None and state["step"] else None)
+        ckpt = None
+    if "sft" in stages:
+        record_eval("sft")
+
+    # --- stage 2: GRPO on questions the policy does not already solve
+    if "rl" in stages:
+        if state["stage"] != "rl":
+            state.update(stage="rl", step=0)
+        if state["rl_pool"] is None:
+            pool = train
+            if args.filter_k:
+                cands = train[: args.filter_limit or None]
+                pool = difficulty_filter(model, tokenizer, cands, args, rank, world)
+                if master:
+                    print(f"difficulty filter: kept {len(pool)}/{len(cands)} ({100 * len(pool) / len(cands):.1f}%) "
+                          f"with pass rate < {args.filter_pass_rate}{' and > 0' if args.filter_drop_unsolved else ''} "
+                          f"over {args.filter_k} rollouts")
+                log.log({"stage": "filter", "step": 0, "gstep": state["gstep"], "filter_candidates": len(cands),
+                         "filter_kept": len(pool)})
+                if not pool:
+                    raise ValueError("the difficulty filter kept no question: raise --filter-pass-rate")
+            state["rl_pool"] = [ex["id"] for ex in pool]
+        by_id = {ex["id"]: ex for ex in train}
+        pool = [by_id[i] for i in state["rl_pool"]]
+        train_rl(model, tokenizer, pool, args, ctx, state, ckpt if ckpt is not None and state["step"] else None)
+        record_eval("rl")
+
+    # --- report
+    if master:
+        rows = [("SFT", "sft"), ("SFT + RL", "rl")]
+        print("\n| checkpoint | dev EX % | test EX % |\n|---|---|---|")
+        for label, tag in rows:
+            if tag in state["evals"]:
+                e = state["evals"][tag]
+                print(f"| {label} | {100 * e['dev']['ex']:.1f} | {100 * e['test']['ex']:.1f} |")
+        if plot_curves(log.rows(), run_dir / "curves.png"):
+            print(f"wrote {run_dir / 'curves.png'}")
+        (run_dir / "results.json").write_text(json.dumps(state["evals"], indent=1))
+    return state
+
+
+def make_teacher_data(examples, path, args):
+    from data.teacher import teach_all
+    t0 = time.perf_counter()
+    kept, dropped = teach_all(examples, args.protocol, max_turns=args.max_turns, schema_mode=args.schema_mode,
+                              seed=args.seed, max_probes=args.teacher_probes, distractors=args.teacher_distractors,
+                              list_tables=bool(args.teacher_list_tables))
+    if not kept:
+        raise ValueError(f"the teacher kept no trajectory out of {len(examples)} ({dropped})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for rec in kept:
+            f.write(json.dumps(rec) + "\n")
+    print(f"teacher: kept {len(kept)}/{len(examples)} ({100 * len(kept) / len(examples):.1f}%) trajectories "
+          f"in {time.perf_counter() - t0:.0f}s -> {path}; dropped {dropped or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
