@@ -101,18 +101,18 @@ def table_columns(db_path, table):
 
 
 def gold_facts(gold_sql, db_path, all_tables):
-    """Tables (db spelling, in order of use), columns per table, join conditions and (table, column) filtered on a
+    """Tables (db spelling, sorted), columns per table, join conditions and (table, column) filtered on a
     string literal (with that literal), from the gold SQL."""
     gold = extract_schema(gold_sql, db_path)
     by_lower = {t.lower(): t for t in all_tables}
     tables = []
-    for t in gold["tables"]:
+    for t in sorted(gold["tables"]):  # sets iterate in PYTHONHASHSEED order: sort, so trajectories reproduce
         name = by_lower.get(str(t).lower())
         if name and name not in tables:
             tables.append(name)
     cols_of = {t: table_columns(db_path, t) for t in tables}
     columns = {t: [] for t in tables}
-    for c in gold["columns"]:  # "table.column" (or bare column) strings
+    for c in sorted(gold["columns"]):  # "table.column" (or bare column) strings
         c = str(c)
         t, _, col = c.rpartition(".")
         owners = [x for x in tables if (not t or x.lower() == t.lower())]

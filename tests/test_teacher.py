@@ -120,3 +120,20 @@ def test_prefilled_schema_skips_listing_but_still_validates(gym_examples, schema
     first = next(m["content"] for m in kept[0]["messages"][len(env.PROTOCOLS["trust"].build_messages(
         gym_examples[0], schema_mode, 10)):] if m["role"] == "assistant")
     assert "type = 'table' AND name IN" in first  # verifies the needed tables instead of listing them all
+
+
+def test_trajectories_do_not_depend_on_python_hash_seed(gym_dir, tmp_path):
+    # extract_schema returns sets, whose order follows PYTHONHASHSEED: the teacher must not leak that order into
+    # the proposed schema, or the same seed would give different SFT data in different processes
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    outs = []
+    for hash_seed in ["1", "2"]:
+        out = tmp_path / f"t{hash_seed}.jsonl"
+        subprocess.run([sys.executable, "data/teacher.py", "--data", str(gym_dir / "train.jsonl"), "--protocol",
+                        "trust", "--limit", "60", "--out", str(out)], cwd=root, check=True, capture_output=True,
+                       env={**__import__("os").environ, "PYTHONHASHSEED": hash_seed})
+        outs.append(out.read_text())
+    assert outs[0] == outs[1] and outs[0].count("\n") > 50
