@@ -263,3 +263,14 @@ def test_json_array_streaming_across_chunk_boundaries(tmp_path):
     path.write_text(json.dumps(items)[:-1])  # cut off: must not pass silently
     with pytest.raises(ValueError):
         list(iter_json_array(path, chunk_size=7))
+
+
+def test_finish_keeps_a_slow_gold_query_but_drops_a_broken_one(tmp_path, capsys):
+    db = tmp_path / "db" / "t.sqlite"
+    make_db(db)
+    slow = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    records = [dict(id=str(i), db_id="t", db_path=str(db), question="q", evidence="", gold_sql=sql,
+                    difficulty="easy", source="test") for i, sql in enumerate([slow, "SELECT nope FROM frpm"])]
+    kept, skipped = finish("t", records, [], tmp_path / "out.jsonl", timeout_s=0.2)
+    assert [r["id"] for r in kept] == ["0"] and [s["reason"] for s in skipped] == ["gold SQL fails"]
+    assert "2 gold queries failed or timed out" in capsys.readouterr().out

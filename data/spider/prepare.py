@@ -8,9 +8,7 @@ Also home of the small helpers the BIRD and SynSQL loaders share (JSON streaming
 """
 import argparse
 import json
-import sqlite3
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +18,8 @@ from tqdm import tqdm
 
 if __name__ == "__main__":  # run as a script: make `data.*` importable like from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from env import run_many  # noqa: E402  (the same read-only sandbox the agent uses runs the gold queries)
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,11 +69,6 @@ def iter_json_array(path, chunk_size=1 << 20):
                 raise ValueError(f"{path}: the JSON array is not closed with ']'")
 
 
-def connect_ro(db_path):
-    """Read-only connection: loaders never change a database file."""
-    return sqlite3.connect(f"file:{Path(db_path).resolve()}?mode=ro", uri=True)
-
-
 def db_file(db_dir, db_id):
     return Path(db_dir) / db_id / f"{db_id}.sqlite"
 
@@ -83,27 +78,13 @@ def make_record(id, db_id, db_path, question, gold_sql, difficulty, source, evid
                 evidence=evidence or "", gold_sql=gold_sql.strip(), difficulty=difficulty, source=source)
 
 
-def run_gold(db_path, sql, timeout_s=30.0):
-    """Execute one gold query read-only; returns None when it runs, else the error text."""
-    conn = connect_ro(db_path)
-    deadline = time.monotonic() + timeout_s
-    conn.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)  # nonzero return aborts the query
-    try:
-        conn.execute(sql).fetchall()
-        return None
-    except sqlite3.Error as e:
-        return f"timed out after {timeout_s:.0f} s" if time.monotonic() > deadline else f"{type(e).__name__}: {e}"
-    finally:
-        conn.close()
-
-
-def check_gold(records, timeout_s=30.0, desc="gold SQL"):
-    """Run every gold query; returns [(record, error)] for those that fail."""
-    failures = []
-    for r in tqdm(records, desc=desc, leave=False, disable=len(records) < 200):
-        err = run_gold(r["db_path"], r["gold_sql"], timeout_s)
-        if err:
-            failures.append((r, err))
+def check_gold(records, timeout_s=30.0):
+    """Run every gold query in the read-only sandbox; returns [(record, error)] for those that fail."""
+    failures, step = [], 1000  # chunks, so a large dataset shows progress
+    for i in tqdm(range(0, len(records), step), desc="gold SQL", leave=False, disable=len(records) <= step):
+        chunk = records[i:i + step]
+        results = run_many([(r["db_path"], r["gold_sql"]) for r in chunk], workers=4, timeout_s=timeout_s, max_rows=1)
+        failures += [(r, res.error) for r, res in zip(chunk, results) if res.error]
     return failures
 
 
@@ -131,8 +112,8 @@ def write_jsonl(records, path):
 def finish(name, records, skipped, out_path, check=True, timeout_s=30.0):
     """Shared tail of every loader: check gold SQL, drop (and report) failing ones, report, write.
     A gold query that only times out is reported but kept: it is slow, not wrong."""
-    failures = check_gold(records, timeout_s, desc=f"{name} gold SQL") if check else []
-    bad = {id(r) for r, err in failures if not err.startswith("timed out")}
+    failures = check_gold(records, timeout_s) if check else []
+    bad = {id(r) for r, err in failures if not err.startswith("query timed out")}
     skipped = skipped + [dict(db_id=r["db_id"], question=r["question"], reason="gold SQL fails")
                          for r, _ in failures if id(r) in bad]
     records = [r for r in records if id(r) not in bad]
