@@ -23,8 +23,9 @@ from sqlglot.optimizer.scope import traverse_scope
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from env import load_examples, results_match, run_many, run_sql
-from rewards import db_schema, extract_schema  # db_schema: {table: {column: type}}, lower-cased
+from env import load_examples, run_many, run_sql
+from rewards import (SCORE_MAX_ROWS, db_schema, extract_schema,  # db_schema: {table: {column: type}}, lower-cased
+                     gold_order_matters, gold_results, is_correct)  # scoring shared with the rewards
 
 ERROR_CLASSES = ("generation", "syntax", "hallucination", "schema_linking", "semantic")
 DIFFICULTY_ORDER = ("easy", "medium", "hard", "extra", "simple", "moderate", "challenging")
@@ -66,20 +67,7 @@ def majority_vote(results: list) -> int | None:
 
 
 # -----------------------------------------------------------------------------
-# scoring: gold results (cached), ORDER BY detection, correctness
-
-# (db_path, gold_sql) -> SQLResult. Databases are read-only, so a gold result never goes stale; periodic dev
-# evaluation from train.py pays for the gold queries once per process.
-GOLD_CACHE: dict = {}
-SCORE_MAX_ROWS = 1_000_000  # generous: a truncated result would make set comparison unreliable
-
-
-def gold_results(examples: list[dict], timeout_s: float = 30.0, workers: int = 4) -> list:
-    todo = sorted({(ex["db_path"], ex["gold_sql"]) for ex in examples} - GOLD_CACHE.keys())
-    for job, res in zip(todo, run_many(todo, workers=workers, timeout_s=timeout_s, max_rows=SCORE_MAX_ROWS)):
-        GOLD_CACHE[job] = res
-    return [GOLD_CACHE[(ex["db_path"], ex["gold_sql"])] for ex in examples]
-
+# scoring: predictions in one run_many batch (gold results, ORDER BY rule and correctness live in rewards.py)
 
 def parse_query(sql: str):
     """The single query in sql as a sqlglot tree, or None when it does not parse as exactly one query."""
@@ -90,22 +78,6 @@ def parse_query(sql: str):
     if len(trees) != 1 or not isinstance(trees[0], exp.Query):
         return None  # sqlglot happily parses "SELEC * FRM t" as an arithmetic expression
     return trees[0]
-
-
-def gold_order_matters(gold_sql: str) -> bool:
-    """Test-suite rule: row order counts when the gold query sorts. Only the outermost ORDER BY counts, since an
-    ORDER BY ... LIMIT inside a subquery does not order the final rows."""
-    tree = parse_query(gold_sql)
-    if tree is None:
-        return "order by" in gold_sql.lower()  # the test-suite evaluator's own substring rule
-    return tree.args.get("order") is not None
-
-
-def is_correct(pred, gold, scoring: str, order_matters: bool) -> bool:
-    """pred, gold: SQLResult (pred None = no final SQL). bird: set equality; spider: test-suite semantics."""
-    if pred is None or pred.error is not None or gold.error is not None:
-        return False
-    return results_match(pred.rows, gold.rows, mode=scoring, order_matters=order_matters and scoring == "spider")
 
 
 def execute_predictions(examples: list[dict], sqls: list, timeout_s: float = 30.0, workers: int = 4) -> list:

@@ -281,12 +281,14 @@ def test_mtir_skyrl_arctic_recipes(singer_example):
     assert [full("arctic", t) for t in (good, wrong, broken, bad_format)] == [1.0, 0.1, 0.0, 1.0]
 
 
-def test_gold_executed_once(singer_example):
-    rewards.gold_result.cache_clear()
+def test_gold_executed_once(singer_example, monkeypatch):
+    rewards.GOLD_CACHE.clear()
+    gold_runs = []
+    real = rewards.run_many
+    monkeypatch.setattr(rewards, "run_many", lambda jobs, **kw: gold_runs.extend(jobs) or real(jobs, **kw))
     for sql in (RIGHT, WRONG, RIGHT):
         REWARDS["arctic"](_traj(_episode(["answer"], final_sql=sql)), singer_example)
-    info = rewards.gold_result.cache_info()
-    assert (info.misses, info.hits) == (1, 2)
+    assert gold_runs == [(singer_example["db_path"], singer_example["gold_sql"])]
 
 
 def test_recipes_on_real_env_episodes(singer_example):
