@@ -6,8 +6,10 @@ Models and tokenizers: load_model() for any Hugging Face causal LM, the built-in
 
 "tiny" is a randomly initialised Qwen3-architecture model (~2.4M params) with a byte-level BPE trained on the gym's
 own text. It goes through exactly the same code path as a real chat model (chat template, eos, generate).
-The tokenizer isolates quote characters and splits digits, so a literal value such as 'Fresno' or '2019-05-01' is the
-same token ids in the question and in the SQL: the tiny model only has to copy ids, not re-spell values.
+The tokenizer isolates quote characters and keeps numbers whole, so a literal value such as 'Fresno', 'QR377' or 18
+is the same token ids in the question and in the SQL: the tiny model only has to copy ids, not re-spell values.
+Unlike a real LLM it knows nothing when it starts, so pretrain_copy() gives it the one pretrained skill SQL agents
+lean on most, copying text it has already seen (induction heads), in about a minute.
 """
 import argparse
 import hashlib
@@ -81,6 +83,9 @@ def build_random(shape_name, dtype=torch.bfloat16, device="cuda"):
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad, turn start, turn end (= eos)
 TAGS = [f"<{slash}{name}>" for name in ["think", "action", "tool_call", "tool_response", "schema", "answer",
                                         "reasoning", "sql", "observation", "solution"] for slash in ["", "/"]]
+# the fixed JSON around every tool call: whole tokens, so a tool call costs the tiny model a few tokens, not ~30
+TOOL_CALL_PIECES = ['{"name": "execute_sql_query", "arguments": {"db_id": "',
+                    '{"name": "sql-execute_sql_query", "arguments": {"db_name": "', '", "sql": "', '"}}']
 ROLES = ["system", "user", "assistant", "tool"]
 # {% generation %} marks the assistant's own tokens, so return_assistant_tokens_mask=True gives the SFT loss mask
 CHAT_TEMPLATE = (
@@ -96,8 +101,8 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-TOKENIZER_SETTINGS = dict(version=1, vocab_size=4096, min_frequency=1)
-_TAG_RE = re.compile("|".join(re.escape(t) for t in TAGS + SPECIAL_TOKENS))
+TOKENIZER_SETTINGS = dict(version=2, vocab_size=4096, min_frequency=1)
+_TAG_RE = re.compile("|".join(re.escape(t) for t in TAGS + TOOL_CALL_PIECES + SPECIAL_TOKENS))
 _CHAT_TEXT = [f"{role}\n" for role in ROLES] * 4  # role names follow <|im_start|> in every turn: make them 1 token
 _SQL_TEXT = ["SELECT DISTINCT FROM WHERE AND OR NOT IN IS NULL LIKE GLOB BETWEEN EXISTS GROUP BY HAVING ORDER ASC "
              "DESC LIMIT OFFSET JOIN INNER LEFT OUTER CROSS ON USING AS UNION INTERSECT EXCEPT ALL CASE WHEN THEN ELSE "
@@ -177,16 +182,17 @@ def build_tokenizer(corpus, vocab_size=4096, min_frequency=1):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(" ?['\"`]"), behavior="isolated"),  # quotes alone: ' + Fresno + '
-        pre_tokenizers.Split(Regex(r" ?\p{N}"), behavior="isolated"),  # one digit per token (optional space)
+        # numbers stay whole (" 18", "2007"): one token each where BPE merged them. With one token per digit the tiny
+        # model had to copy numbers digit by digit, and it never learned to
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
                                   special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # tags become whole added tokens below, so keep their pieces from using up merges
+    # tags and tool-call pieces become whole added tokens below, so keep their pieces from using up merges
     tok.train_from_iterator([_TAG_RE.sub("\n", text) for text in corpus], trainer)
-    # protocol tags are added but not "special": decode(skip_special_tokens=True) keeps them
-    tok.add_tokens([AddedToken(tag, normalized=False, special=False) for tag in TAGS])
+    # added but not "special": decode(skip_special_tokens=True) keeps them
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TAGS + TOOL_CALL_PIECES])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
                                    model_max_length=TINY["max_position_embeddings"])
@@ -195,7 +201,7 @@ def build_tokenizer(corpus, vocab_size=4096, min_frequency=1):
 def tiny_tokenizer(cache_dir=ROOT / "out" / "tiny_tokenizer", gym_dir=None):
     """The tiny tokenizer, cached on disk under a hash of its corpus and settings (rebuilt when the gym changes)."""
     corpus = tiny_corpus(gym_dir)
-    key = hashlib.sha256(json.dumps([TOKENIZER_SETTINGS, corpus]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([TOKENIZER_SETTINGS, TAGS, TOOL_CALL_PIECES, corpus]).encode()).hexdigest()[:16]
     path = Path(cache_dir) / key
     if not (path / "tokenizer.json").exists():
         tok = build_tokenizer(corpus, TOKENIZER_SETTINGS["vocab_size"], TOKENIZER_SETTINGS["min_frequency"])
@@ -230,6 +236,40 @@ def build_tiny(tokenizer, seed=0, device="cpu", dtype=torch.float32, **overrides
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
     return model.to(device=device, dtype=dtype)
+
+
+def pretrain_copy(model, tokenizer, texts, steps=250, batch_size=16, length=160, lr=3e-3, seed=0, quiet=False):
+    """Copy pretraining for a randomly initialised model: each sequence is `length` tokens of texts (drawn at random,
+    concatenated), then the same tokens again, with the loss on the repeat only. A real LLM brings this skill from
+    pretraining (induction heads); without it the tiny model writes plausible values from training instead of the
+    ones in the question. Returns the copy accuracy of the last step."""
+    import random
+    import torch.nn.functional as F
+    from tqdm import tqdm
+    rng, device = random.Random(seed), next(model.parameters()).device
+    pieces = [tokenizer.encode(t + "\n", add_special_tokens=False) for t in texts]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    acc, bar = 0.0, tqdm(range(steps), desc="copy pretraining", disable=quiet)
+    for _ in bar:
+        batch = []
+        for _ in range(batch_size):
+            doc = []
+            while len(doc) < length:
+                doc += rng.choice(pieces)
+            batch.append(doc[:length] * 2)
+        ids = torch.tensor(batch, device=device)  # (B, 2·length)
+        logits = model(input_ids=ids).logits[:, length:-1].float()  # predicts tokens length+1 .. 2·length-1
+        target = ids[:, length + 1:]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        acc = (logits.argmax(-1) == target).float().mean().item()
+        bar.set_postfix(loss=f"{loss.item():.3f}", copy_acc=f"{acc:.2f}")
+    model.eval()
+    return acc
 
 
 def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):

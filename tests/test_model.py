@@ -3,6 +3,8 @@ model.py: the tiny model and tokenizer, load_model on a saved checkpoint, SHAPES
 
     python -m pytest -q tests/test_model.py
 """
+import random
+
 import pytest
 import torch
 
@@ -125,14 +127,32 @@ def test_quoted_value_is_the_same_tokens_in_question_and_sql(tiny, value):
     assert tok.encode(sql).count(bare[0]) >= 2
 
 
-def test_digits_are_split_and_decode_round_trips(tiny):
+@pytest.mark.parametrize("number", ["18", "2007", "515", "4512345"])
+def test_a_number_is_the_same_tokens_in_question_and_sql(tiny, number):
+    # numbers are not split into digits: "above 18" and "> 18" end in the same ids, so copying is copying ids
     _, tok = tiny
-    pieces = [tok.decode([i]) for i in tok.encode("WHERE d = 20190501 OR d = '2019-05-01'", add_special_tokens=False)]
-    digit_pieces = [p.strip() for p in pieces if any(c.isdigit() for c in p)]
-    assert digit_pieces == list("20190501") + list("20190501")  # one digit per token
+    in_question = tok.encode(f"How many teachers have years experience above {number}?", add_special_tokens=False)
+    in_sql = tok.encode(f"SELECT COUNT(*) FROM teachers WHERE \"Years Experience\" > {number}", add_special_tokens=False)
+    piece = tok.encode(f" {number}", add_special_tokens=False)
+    assert contains(in_question, piece) and in_sql[-len(piece):] == piece
+    year = tok.encode(f"'{number}'", add_special_tokens=False)[1:-1]
+    assert contains(tok.encode(f"in the year '{number}'?"), year) and contains(tok.encode(f"= '{number}'"), year)
+
+
+def test_gym_numbers_are_whole_tokens(tiny):
+    _, tok = tiny
+    for number in [" 18", "2007", " 515", " 36"]:  # thresholds, years and counts as the gym's questions write them
+        assert len(tok.encode(number, add_special_tokens=False)) == 1, number
+
+
+def test_tool_call_json_is_a_few_tokens_and_decode_round_trips(tiny):
+    _, tok = tiny
+    call = '{"name": "execute_sql_query", "arguments": {"db_id": "schools", "sql": "SELECT 1"}}'
+    pieces = tok.convert_ids_to_tokens(tok.encode(call, add_special_tokens=False))
+    assert pieces[0] == M.TOOL_CALL_PIECES[0] and pieces[-1] == '"}}' and len(pieces) <= 8, pieces
     for text in ["SELECT \"Charter School (Y/N)\" FROM t WHERE d >= '2019-05-01'  -- two  spaces\n\n\tok",
                  "<think>café naïve 東京 🙂</think><answer>SELECT 1;</answer>", " leading space , odd spacing .",
-                 "<|im_start|>user\nQ<|im_end|>\n"]:
+                 "<|im_start|>user\nQ<|im_end|>\n", call, '{"name": "sql-execute_sql_query", "arguments": {}}']:
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
@@ -144,6 +164,20 @@ def test_tokenizer_build_is_deterministic_and_cached(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1  # one folder, named by the corpus hash
     second = M.tiny_tokenizer(cache_dir=tmp_path)
     assert second.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+
+
+def test_copy_pretraining_teaches_a_random_model_to_copy():
+    # the tiny model starts knowing nothing; a few dozen copy steps on gym text give it working induction heads
+    _, tok = M.load_model("tiny")
+    model = M.build_tiny(tok, seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, num_hidden_layers=2)
+    words = "Fresno Napa Davis Chico Lodi Tracy Vista Yuba Merced Irvine Ukiah Delano schools teachers budget".split()
+    rng = random.Random(0)
+    texts = [" ".join(rng.choices(words, k=rng.randint(2, 5))) for _ in range(300)]  # only copying predicts a repeat
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    acc = M.pretrain_copy(model, tok, texts, steps=60, batch_size=16, length=24, lr=1e-2, seed=0, quiet=True)
+    assert acc > 0.6, acc  # a model that cannot copy scores about 1/len(words)
+    assert not model.training and any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 # -----------------------------------------------------------------------------
 # load_model on any Hugging Face checkpoint
