@@ -4,9 +4,10 @@ Scripted teacher: correct multi-turn SFT trajectories, made by really exploring 
 The papers distil their warm-up data from GPT-4.1 / Claude / DeepSeek-R1. We can't call an API, so this teacher
 plays the agent itself, the way TRUST-SQL's case study (App. E) does: list the tables, read the schemas of the tables
 the gold SQL touches (found with rewards.extract_schema) plus a distractor, probe the distinct values of filtered
-columns, propose the schema (trust), run a candidate SQL (now and then a broken first attempt that it repairs) and
-confirm. Every trajectory is replayed through env.new_episode/env.step and kept only when every turn passes the
-protocol's format check and the final SQL matches gold by execution (TRUST App. A.2 filters its SFT data the same way).
+columns, propose the schema (trust), restate the question and run a candidate SQL (now and then a broken first
+attempt that it repairs) and confirm. Every trajectory is replayed through env.new_episode/env.step and kept only when
+every turn passes the protocol's format check and the final SQL matches gold by execution (TRUST App. A.2 filters its
+SFT data the same way).
 
 Output: JSONL, one trajectory per line: {"id", "db_id", "protocol", "schema_mode", "max_turns", "messages", ...}
 where messages = protocol.build_messages(...) followed by alternating assistant / observation messages, exactly
@@ -38,7 +39,8 @@ THINK = {
     "schema": ["I need {tables}. Check the columns.", "Read the schema of {tables}.", "Verify the columns of {tables}."],
     "probe": ["Check the values of {col}.", "How are {col} values written?", "Look at the values in {col}."],
     "propose": ["The schema is verified.", "Commit to the verified schema.", "I have what I need."],
-    "generate": ["Run the query.", "Test the SQL.", "Now write the SQL."],
+    # the question again, right before the SQL: its values are then a few tokens back, not a few hundred
+    "generate": ["{question} Run the query.", "{question} Test the SQL.", "{question} Now write the SQL."],
     "repair": ["It failed: {error}. Fix it.", "Error ({error}). Repair the query.", "{error}. Correct it."],
     "confirm": ["The result is right.", "This answers the question.", "Confirm the SQL."],
 }
@@ -57,8 +59,8 @@ def quote_str(value):
 # turn rendering per protocol: a dict of plain functions. Each returns the assistant text of one turn.
 
 
-def tool_call_json(db_id, sql, db_key="db_id"):
-    return json.dumps({"name": "execute_sql_query", "arguments": {db_key: db_id, "sql": sql}}, ensure_ascii=False)
+def tool_call_json(db_id, sql, name="execute_sql_query", db_key="db_id"):
+    return json.dumps({"name": name, "arguments": {db_key: db_id, "sql": sql}}, ensure_ascii=False)
 
 
 def render_trust(kind, think, db_id, sql=None, schema=None):
@@ -85,7 +87,8 @@ def render_skyrl(kind, think, db_id, sql=None, schema=None):
 def render_mtir(kind, think, db_id, sql=None, schema=None):
     if kind == "confirm":
         return f"<think>{think}</think>\n<answer>\n{sql}\n</answer>"
-    return f"<think>{think}</think>\n<tool_call>\n{tool_call_json(db_id, sql, 'db_name')}\n</tool_call>"
+    call = tool_call_json(db_id, sql, "sql-execute_sql_query", "db_name")  # the name MTIR's prompt gives
+    return f"<think>{think}</think>\n<tool_call>\n{call}\n</tool_call>"
 
 
 # protocol variants registered in env.PROTOCOLS (e.g. train.py's "trust-brief") render like their base protocol
@@ -193,7 +196,7 @@ def plan_turns(example, protocol, schema_mode, rng, distractors=1, max_probes=2,
     tables, columns, joins, filtered = gold_facts(gold_sql, db_path, all_tables)
     if not tables:
         raise ValueError("gold SQL touches no known table")
-    pick = lambda key, **kw: rng.choice(THINK[key]).format(**kw)
+    pick = lambda key, **kw: rng.choice(THINK[key]).format(question=example["question"], **kw)
     turns = []
     # unknown schema: list the tables (list_tables=False: read the ones the question names straight away, shorter);
     # with a prefilled schema the prompt has the list, but reading the needed tables still verifies them

@@ -54,11 +54,22 @@ def test_trust_trajectory_follows_the_case_study(gym_examples):
     assert actions[:2] == ["explore_schema", "explore_schema"]
     assert "sqlite_master" in turns[0] and "SELECT DISTINCT" in turns[2]
     assert actions[-3:] == ["propose_schema", "generate_sql", "confirm_answer"]
+    think = turns[-2].split("<think>")[1].split("</think>")[0]
+    assert ex["question"] in think  # restated right before the SQL, so its values are a few tokens back
     schema = json.loads(turns[-3].split("<schema>")[1].split("</schema>")[0])
     from rewards import extract_schema
     gold = extract_schema(ex["gold_sql"], ex["db_path"])
     assert {t.lower() for t in schema["tables"]} == gold["tables"]
     assert {f"{t.lower()}.{c.lower()}" for t, cs in schema["columns"].items() for c in cs} == gold["columns"]
+
+
+def test_mtir_tool_calls_use_the_name_in_mtirs_prompt(gym_examples):
+    rec, reason = teach(gym_examples[0], "mtir", max_turns=10, seed=0)
+    assert rec is not None, reason
+    calls = [m["content"].split("<tool_call>")[1].split("</tool_call>")[0] for m in rec["messages"]
+             if m["role"] == "assistant" and "<tool_call>" in m["content"]]
+    assert calls and all(json.loads(c)["name"] == "sql-execute_sql_query" for c in calls)
+    assert '"sql-execute_sql_query"' in env.PROTOCOLS["mtir"].build_messages(gym_examples[0], "none", 10)[0]["content"]
 
 
 def test_repaired_first_attempt_shows_the_error_and_still_passes(gym_examples):
