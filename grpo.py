@@ -241,7 +241,8 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     if metrics["rows"] == 0:  # every rank filtered everything: nothing to learn this step
         return metrics | {"loss": 0.0, "tokens": 0, "skipped": True}
 
-    # --- batch of the kept rows, split into micro-batches
+    # --- batch of the kept rows, split into micro-batches of similar length, each cut to its own longest row
+    idx = sorted(idx, key=lambda i: len(trajs[i].token_ids))
     batch = build_batch([trajs[i] for i in idx] or [SimpleNamespace(token_ids=[cfg.pad_id], loss_mask=[0],
                                                                     turn_ids=[-1], sample_logprobs=[0.0])],
                         cfg.pad_id, device)
@@ -251,10 +252,12 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
         torch.zeros_like(batch["loss_mask"])
     batch["adv_full"] = adv_full[idx or [0]].to(device).unsqueeze(1) * batch["loss_mask"]  # (B, T) per-row
     batch["adv_schema"] = adv_schema[idx or [0]].to(device).unsqueeze(1) * batch["schema_mask"]
-    micro = [slice(s, s + cfg.micro_batch_size) for s in range(0, len(idx), cfg.micro_batch_size)]
+    lengths = [len(trajs[i].token_ids) for i in idx]
+    micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
+             for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
     if _is_fsdp(model):  # FSDP runs collectives in every forward: all ranks need the same number of micro-batches
         n_micro = int(_all_max(torch.tensor(max(len(micro), 1), device=device)).item())
-        micro += [slice(0, 1)] * (n_micro - len(micro))  # extra passes over row 0 (all-zero mask if no rows)
+        micro += [(slice(0, 1), slice(None))] * (n_micro - len(micro))  # extra passes over row 0 (zero mask if no rows)
 
     # --- global normalisers for the whole step (all micro-batches, all ranks)
     def denom(mask):
