@@ -56,14 +56,16 @@ RECIPES = {
                   eps_low=0.2, eps_high=0.2, traj_filter=False),
 }
 # --model tiny (the default): the CPU demo's sizes, on top of the recipe
-TINY = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0,
-            sft_steps=600, sft_batch_size=8, micro_batch_size=4, sft_lr=3e-3, warmup_ratio=0.05, rl_steps=40,
-            rl_batch_size=4, rl_lr=2e-4, max_new_tokens=128, max_total_tokens=1024, filter_k=8, filter_limit=128,
-            filter_drop_unsolved=1, ckpt_every=100, eval_batch_size=200)
+TINY = dict(tiny_shape="hidden_size=128,intermediate_size=256,num_attention_heads=4,num_key_value_heads=1,"
+                       "num_hidden_layers=3", copy_steps=250, brief_prompt=1, obs_rows=3, teacher_probes=0,
+            teacher_distractors=0, teacher_list_tables=0, sft_steps=900, sft_batch_size=8, micro_batch_size=8,
+            sft_lr=3e-3, warmup_ratio=0.05, rl_steps=30, rl_batch_size=8, rl_lr=5e-5, max_new_tokens=192,
+            max_total_tokens=1024, filter_k=8, filter_limit=128, filter_drop_unsolved=1, ckpt_every=100,
+            eval_every=10, eval_batch_size=200)
 # --quick: a few steps of every stage, small enough for a test
-QUICK = dict(sft_steps=2, rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2, teacher_limit=16,
-             eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024,
-             filter_k=0, filter_limit=0, filter_drop_unsolved=0, run="quick")
+QUICK = dict(copy_steps=2, sft_steps=2, rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2,
+             teacher_limit=16, eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24,
+             max_total_tokens=1024, filter_k=0, filter_limit=0, filter_drop_unsolved=0, run="quick")
 
 
 def get_parser():
@@ -73,6 +75,7 @@ def get_parser():
     a("--recipe", default="trust", choices=sorted(RECIPES))
     a("--model", default="tiny", help='"tiny" or a Hugging Face id / save_pretrained folder (e.g. a checkpoint)')
     a("--tiny-shape", default="", help='overrides of model.TINY, e.g. "hidden_size=128,num_hidden_layers=3"')
+    a("--copy-steps", type=int, default=0, help="copy pretraining steps before SFT (model.pretrain_copy; tiny: 250)")
     a("--data", default=None, help="RL training examples JSONL (default: the gym's train split)")
     a("--sft-data", default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
     a("--dev-data", default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
@@ -105,6 +108,8 @@ def get_parser():
     a("--eps-low", type=float, default=0.2)
     a("--eps-high", type=float, default=0.28)
     a("--traj-filter", type=int, default=0, help="MTIR trajectory filter: drop truncated / unfinished rollouts")
+    a("--dynamic-sampling", type=int, default=0, help="1: leave groups with equal rewards out of the update (DAPO)")
+    a("--ppo-epochs", type=int, default=1, help="updates per batch of rollouts (>1 makes the clip matter)")
     a("--filter-pass-rate", type=float, default=0.75, help="keep questions with pass rate below this (TRUST <6/8)")
     a("--filter-drop-unsolved", type=int, default=0, help="1: also drop pass rate 0 (SQL-Trail's hard-but-solvable)")
     a("--filter-k", type=int, default=8, help="rollouts per question for the difficulty filter (0 = no filter)")
@@ -593,7 +598,8 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
     cfg = GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
                      eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
                      micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
-                     trajectory_filter=bool(args.traj_filter), pad_id=tokenizer.pad_token_id)
+                     trajectory_filter=bool(args.traj_filter), dynamic_sampling=bool(args.dynamic_sampling),
+                     ppo_epochs=args.ppo_epochs, pad_id=tokenizer.pad_token_id)
     reward_fn = REWARDS[args.reward]
     bar = tqdm(range(state["step"], args.rl_steps), desc="rl", disable=rank != 0, initial=state["step"],
                total=args.rl_steps)
@@ -670,6 +676,12 @@ def main(argv=None):
         from model import build_tiny
         shape = {k: int(v) for k, v in (kv.split("=") for kv in args.tiny_shape.split(","))}
         model = build_tiny(tokenizer, seed=args.seed, device=device, **shape).eval()
+    if args.copy_steps and ckpt is None and "sft" in stages:  # a random model learns to copy before it learns SQL
+        from model import pretrain_copy
+        acc = pretrain_copy(model, tokenizer, [ex["question"] for ex in train], args.copy_steps, seed=args.seed,
+                            quiet=not master)
+        if master:
+            print(f"copy pretraining: {args.copy_steps} steps, copy accuracy {100 * acc:.1f}%")
     # registered after load_model: the tiny tokenizer's corpus reads env.PROTOCOLS, and must not change with flags
     base_protocol, args.protocol = args.protocol, protocol_variant(args.protocol, args.brief_prompt, args.obs_rows)
     try:

@@ -139,7 +139,9 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(ckpt)  # a plain HF folder
     assert AutoTokenizer.from_pretrained(ckpt).chat_template
     assert json.loads((ckpt / "state.json").read_text())["global_step"] == 4
-    assert sum(p.numel() for p in model.parameters()) > 1e6
+    shape = dict(kv.split("=") for kv in train.TINY["tiny_shape"].split(","))  # the demo's shape, not model.TINY
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (int(shape["hidden_size"]),
+                                                                         int(shape["num_hidden_layers"]))
 
 
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
