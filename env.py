@@ -405,6 +405,7 @@ class Protocol:
     parse_turn: Callable       # (text) -> Action
     wrap_observation: Callable # (obs_text, turns_left) -> str
     answer_action: str = "answer"
+    echo_question: bool = False  # every observation ends with the question (tiny models copy from nearby text)
 
 
 SCHEMA_MODES = ("none", "prompt", "explore_turn")
@@ -810,7 +811,10 @@ def step(episode, turn_text, result: SQLResult | None = None):
     turns_left = episode.max_turns - len(episode.actions)
     if not episode.done and turns_left <= 0:
         episode.done, episode.stop_reason = True, "max_turns"
-    return (None, True) if episode.done else (proto.wrap_observation(obs, turns_left), False)
+    if episode.done:
+        return None, True
+    echo = f"\nQuestion: {episode.example['question']}" if proto.echo_question else ""
+    return proto.wrap_observation(obs + echo, turns_left), False
 
 # -----------------------------------------------------------------------------
 

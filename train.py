@@ -57,11 +57,11 @@ RECIPES = {
 }
 # --model tiny (the default): the CPU demo's sizes, on top of the recipe
 TINY = dict(tiny_shape="hidden_size=128,intermediate_size=256,num_attention_heads=4,num_key_value_heads=1,"
-                       "num_hidden_layers=3", copy_steps=250, brief_prompt=1, obs_rows=3, teacher_probes=0,
-            teacher_distractors=0, teacher_list_tables=0, sft_steps=900, sft_batch_size=8, micro_batch_size=8,
-            sft_lr=3e-3, warmup_ratio=0.05, rl_steps=30, rl_batch_size=8, rl_lr=5e-5, max_new_tokens=192,
-            max_total_tokens=1024, filter_k=8, filter_limit=128, filter_drop_unsolved=1, ckpt_every=100,
-            eval_every=10, eval_batch_size=200)
+                       "num_hidden_layers=3", copy_steps=200, brief_prompt=1, echo_question=1, obs_rows=3,
+            teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=900, sft_batch_size=8,
+            micro_batch_size=8, sft_lr=3e-3, warmup_ratio=0.05, rl_steps=20, rl_batch_size=6, rl_lr=5e-5,
+            max_new_tokens=192, max_total_tokens=1024, filter_k=8, filter_limit=96, filter_drop_unsolved=1,
+            ckpt_every=100, eval_every=10, eval_batch_size=200)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(copy_steps=2, sft_steps=2, rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2,
              teacher_limit=16, eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24,
@@ -75,7 +75,7 @@ def get_parser():
     a("--recipe", default="trust", choices=sorted(RECIPES))
     a("--model", default="tiny", help='"tiny" or a Hugging Face id / save_pretrained folder (e.g. a checkpoint)')
     a("--tiny-shape", default="", help='overrides of model.TINY, e.g. "hidden_size=128,num_hidden_layers=3"')
-    a("--copy-steps", type=int, default=0, help="copy pretraining steps before SFT (model.pretrain_copy; tiny: 250)")
+    a("--copy-steps", type=int, default=0, help="copy pretraining steps before SFT (model.pretrain_copy; tiny: 200)")
     a("--data", default=None, help="RL training examples JSONL (default: the gym's train split)")
     a("--sft-data", default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
     a("--dev-data", default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
@@ -84,6 +84,7 @@ def get_parser():
     a("--reward", default="trust", help="key of rewards.REWARDS")
     a("--schema-mode", default="none", help="none (unknown schema) or explore_turn (schema prefilled)")
     a("--brief-prompt", type=int, default=0, help="1 = a short system prompt instead of the paper's (CPU demo)")
+    a("--echo-question", type=int, default=0, help="1 = every observation ends with the question (CPU demo)")
     a("--obs-rows", type=int, default=0, help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
     a("--teacher-probes", type=int, default=2, help="filtered columns whose values the teacher probes")
     a("--teacher-distractors", type=int, default=1, help="extra tables whose schema the teacher reads")
@@ -161,19 +162,20 @@ BRIEF_SYSTEM = {
 }
 
 
-def protocol_variant(name, brief, obs_rows):
-    """Register (idempotently) and return the protocol name to use: name itself, or e.g. "trust-brief-rows10"."""
-    if not brief and not obs_rows:
+def protocol_variant(name, brief, obs_rows, echo_question=0):
+    """Register (idempotently) and return the protocol name to use: name itself, or e.g. "trust-brief-rows10-echo"."""
+    if not brief and not obs_rows and not echo_question:
         return name
     import dataclasses
     base = env.PROTOCOLS[name]
-    variant = name + ("-brief" if brief else "") + (f"-rows{obs_rows}" if obs_rows else "")
+    variant = name + ("-brief" if brief else "") + (f"-rows{obs_rows}" if obs_rows else "") + \
+        ("-echo" if echo_question else "")
 
     def build_messages(example, schema_mode, max_turns):
         msgs = base.build_messages(example, schema_mode, max_turns)
         return [{"role": "system", "content": BRIEF_SYSTEM[name]}] + msgs[1:] if brief else msgs
     env.PROTOCOLS[variant] = dataclasses.replace(base, name=variant, build_messages=build_messages,
-                                                 max_rows=obs_rows or base.max_rows)
+                                                 max_rows=obs_rows or base.max_rows, echo_question=bool(echo_question))
     return variant
 
 
@@ -683,7 +685,8 @@ def main(argv=None):
         if master:
             print(f"copy pretraining: {args.copy_steps} steps, copy accuracy {100 * acc:.1f}%")
     # registered after load_model: the tiny tokenizer's corpus reads env.PROTOCOLS, and must not change with flags
-    base_protocol, args.protocol = args.protocol, protocol_variant(args.protocol, args.brief_prompt, args.obs_rows)
+    base_protocol = args.protocol
+    args.protocol = protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.echo_question)
     try:
         return run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, rank, world, device)
     finally:

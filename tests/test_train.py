@@ -142,6 +142,10 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path):
     shape = dict(kv.split("=") for kv in train.TINY["tiny_shape"].split(","))  # the demo's shape, not model.TINY
     assert (model.config.hidden_size, model.config.num_hidden_layers) == (int(shape["hidden_size"]),
                                                                          int(shape["num_hidden_layers"]))
+    for line in (run / "teacher_trust-brief-rows3-echo.jsonl").read_text().splitlines():  # the demo's protocol
+        msgs = json.loads(line)["messages"]
+        question = msgs[1]["content"].split("User Question: ")[1].split("\n")[0]
+        assert all(f"\nQuestion: {question}\n" in m["content"] for m in msgs if m["role"] == "tool")
 
 
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
