@@ -5,6 +5,7 @@ majority voting (maj@K, as OmniSQL does), unbiased pass@k, a per-difficulty tabl
 Writes out/eval/<name>/predictions.jsonl and summary.json and prints markdown tables.
 
     python eval.py --model tiny --limit 20 --samples 4 --max-turns 3          # gym dev split, untrained tiny model
+    python eval.py --model out/demo-seed0/ckpt-000920 --samples 8   # a train.py checkpoint: its own protocol
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --scoring spider --samples 8
     python eval.py --model Qwen/Qwen3-4B --data data/bird/dev.jsonl --bird-predictions out/predict_dev.json
     python eval.py --gold-as-prediction --data data/spider/dev.jsonl --scoring spider   # scorer self-check
@@ -359,20 +360,37 @@ def write_bird_predictions(path, examples: list[dict], sqls: list) -> None:
 # -----------------------------------------------------------------------------
 # CLI
 
+ROLLOUT_FLAGS = dict(protocol="trust", schema_mode="none", max_turns=15, max_new_tokens=1024, max_total_tokens=16384)
+
+
+def trained_settings(model_path) -> dict:
+    """The rollout settings a train.py checkpoint was trained with, from its state.json ({} for anything else), so
+    that a checkpoint is evaluated in its own protocol: the CPU demo's model has never seen the full trust prompt."""
+    state = Path(model_path) / "state.json"
+    if not state.is_file():
+        return {}
+    saved = json.loads(state.read_text())["args"]
+    from train import protocol_variant  # registers e.g. "trust-brief-rows3-echo" in env.PROTOCOLS
+    protocol = protocol_variant(saved["protocol"].split("-")[0], saved["brief_prompt"], saved["obs_rows"],
+                                saved["echo_question"])
+    return {"protocol": protocol} | {k: saved[k] for k in ROLLOUT_FLAGS if k != "protocol"}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="checkpoint folder, 'tiny' or a Hugging Face id")
     parser.add_argument("--data", default=None, help="examples JSONL (default: the gym dev split, built if missing)")
-    parser.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"])
-    parser.add_argument("--schema-mode", default="none", choices=["none", "prompt", "explore_turn"])
-    parser.add_argument("--max-turns", type=int, default=15)
+    # these five default to what a train.py checkpoint was trained with, else to ROLLOUT_FLAGS
+    parser.add_argument("--protocol", default=None, choices=["trust", "trail", "mtir", "skyrl"])
+    parser.add_argument("--schema-mode", default=None, choices=["none", "prompt", "explore_turn"])
+    parser.add_argument("--max-turns", type=int, default=None)
     parser.add_argument("--samples", type=int, default=8, help="K for maj@K and pass@k; 1 = greedy only")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (greedy uses 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--scoring", default=None, choices=["bird", "spider"],
                         help="bird: set equality; spider: test-suite semantics (default: spider for Spider data)")
-    parser.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant turn")
-    parser.add_argument("--max-total-tokens", type=int, default=16384, help="per trajectory, prompt included")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn")
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="per trajectory, prompt included")
     parser.add_argument("--batch-size", type=int, default=16, help="trajectories per rollout call")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
     parser.add_argument("--exec-timeout", type=float, default=30.0, help="seconds per scoring query")
@@ -384,6 +402,13 @@ if __name__ == "__main__":
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    trained = trained_settings(args.model)
+    for key, default in ROLLOUT_FLAGS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, trained.get(key, default))
+    if trained:
+        print("rollout settings from the checkpoint's state.json (a flag overrides): "
+              + ", ".join(f"{k}={getattr(args, k)}" for k in ROLLOUT_FLAGS))
 
     if args.data is None:
         from data.gym.prepare import ensure_gym

@@ -216,6 +216,16 @@ def prefill(model, cache, feeds, pad_id):
 # Sampling
 
 
+def draw(probs, generator):
+    """One index per row with probability probs / probs.sum() (rows need not be normalised): inverse CDF with one
+    uniform per row. torch.multinomial draws one exponential per vocabulary entry, ~3 ms per step on a (64, 4k)
+    CPU batch, which was 30 % of a tiny-model rollout."""
+    cdf = probs.cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]  # (A, V), last entry exactly 1.0 > any u in [0, 1)
+    u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)  # first cdf > u: zero-probability entries never win
+
+
 def sample(logits, temperature, top_p, generator):
     """logits (A, V) -> tokens (A,), logp (A, V) = the log-probs recorded for whichever token a row ends up with."""
     if temperature == 0:
@@ -224,11 +234,11 @@ def sample(logits, temperature, top_p, generator):
     logp = torch.log_softmax(logits / temperature, dim=-1)
     probs = logp.exp()
     if top_p >= 1.0:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1), logp
+        return draw(probs, generator), logp
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
-    pick = torch.multinomial(sorted_probs.masked_fill(outside, 0.0), 1, generator=generator)  # renormalised
-    return order.gather(1, pick).squeeze(1), logp
+    pick = draw(sorted_probs.masked_fill(outside, 0.0), generator)  # draw() renormalises the nucleus
+    return order.gather(1, pick[:, None]).squeeze(1), logp
 
 # -----------------------------------------------------------------------------
 # The rollout loop: a state machine per row (decoding -> turn ended -> tool call -> observation fed -> decoding)

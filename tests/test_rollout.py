@@ -120,6 +120,18 @@ def test_sample_greedy_temperature_and_top_p():
     tokens, _ = rollout.sample(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1}
 
+def test_draw_matches_the_distribution_and_never_picks_a_zero():
+    """Inverse-CDF sampling: frequencies follow probs (unnormalised rows are fine), zero entries are never drawn."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 2.0, 0.0, 2.0]]).repeat(20000, 1)  # (40000, 4)
+    tokens = rollout.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
+    freq_a = torch.bincount(tokens[:, 0], minlength=4) / len(tokens)
+    freq_b = torch.bincount(tokens[:, 1], minlength=4) / len(tokens)
+    assert torch.allclose(freq_a, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.015) and freq_a[1] == 0
+    assert torch.allclose(freq_b, torch.tensor([0.0, 0.5, 0.0, 0.5]), atol=0.015) and freq_b[0] == freq_b[2] == 0
+    again = rollout.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
+    assert torch.equal(tokens, again)  # seeded
+
+
 # -----------------------------------------------------------------------------
 # 2. batch invariance
 

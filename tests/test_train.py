@@ -146,6 +146,15 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path):
         msgs = json.loads(line)["messages"]
         question = msgs[1]["content"].split("User Question: ")[1].split("\n")[0]
         assert all(f"\nQuestion: {question}\n" in m["content"] for m in msgs if m["role"] == "tool")
+    # eval.py evaluates the checkpoint in the protocol it was trained with, not the full trust prompt
+    out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--model", str(ckpt), "--limit", "2", "--samples",
+                          "1", "--out-dir", str(tmp_path / "eval"), "--name", "e"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "eval" / "e" / "summary.json").read_text())
+    saved = json.loads((ckpt / "state.json").read_text())["args"]
+    assert summary["protocol"] == "trust-brief-rows3-echo"
+    assert f"max_turns={saved['max_turns']}, max_new_tokens={saved['max_new_tokens']}," in out.stdout
 
 
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
