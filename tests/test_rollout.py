@@ -268,3 +268,26 @@ def test_rollout_under_autocast_keeps_a_bf16_cache_and_replays_closely(tiny, exa
             mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
             replay = replay_logprobs(model, traj, 1.0)[mask]
             assert torch.allclose(replay, torch.tensor(traj.sample_logprobs)[mask], atol=2e-2, rtol=0)  # bf16 noise
+
+# -----------------------------------------------------------------------------
+# rollout -> grpo_step: the update reads rollout's tokens, masks and log-probs the way they were produced
+
+
+def test_grpo_step_on_rollouts_moves_each_trajectory_along_its_advantage(examples):
+    from grpo import GRPOConfig, grpo_step
+    model, tokenizer = load_model("tiny", seed=0)  # its own copy: this test changes the weights
+    # 4 samples of one question: a scripted tool call (observation tokens in the sequence), then 10 sampled tokens
+    scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 10] for r in range(4)}
+    trajs = run((model, tokenizer), examples[:1], scripts, group_size=4, temperature=1.0, max_turns=2, seed=7)
+    rewards = [{"full": 1.0, "schema": 0.0}] + [{"full": 0.0, "schema": 0.0}] * 3  # row 0 alone is right
+
+    def sampled_logp():
+        return torch.stack([(replay_logprobs(model, t, 1.0) * torch.tensor(t.loss_mask)).sum() for t in trajs])
+
+    before = sampled_logp()
+    cfg = GRPOConfig(group_size=4, schema_lambda=0.0, grad_clip=1e9, pad_id=tokenizer.pad_token_id)
+    m = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.05), trajs, rewards, cfg)
+    # first pass: grpo's recomputed log-probs are the sampler's (ratio 1, nothing clipped)
+    assert abs(m["sampler_kl"]) < 1e-5 and m["clip_frac_high"] == m["clip_frac_low"] == 0.0
+    change = sampled_logp() - before
+    assert change[0] > 0 and (change[1:] < 0).all(), change  # the rewarded trajectory up, the others down
