@@ -662,8 +662,8 @@ def main(argv=None):
     ckpt = latest_checkpoint(run_dir) if args.resume else None
     state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "rl_pool": None}
     if ckpt is not None:
-        state.update({k: v for k, v in json.loads((ckpt / "state.json").read_text()).items() if k in state})
-        state["gstep"] = json.loads((ckpt / "state.json").read_text())["global_step"]
+        saved = json.loads((ckpt / "state.json").read_text())
+        state.update({k: v for k, v in saved.items() if k in state}, gstep=saved["global_step"])
         if master:
             print(f"resuming {ckpt} ({state['stage']} step {state['step']})")
     elif master and run_dir.exists() and any(run_dir.glob("ckpt-*")):
