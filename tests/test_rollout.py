@@ -120,6 +120,7 @@ def test_sample_greedy_temperature_and_top_p():
     tokens, _ = rollout.sample(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1}
 
+
 def test_draw_matches_the_distribution_and_never_picks_a_zero():
     """Inverse-CDF sampling: frequencies follow probs (unnormalised rows are fine), zero entries are never drawn."""
     probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 2.0, 0.0, 2.0]]).repeat(20000, 1)  # (40000, 4)
