@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -707,7 +707,7 @@ def _wrap_mtir(obs, turns_left):
 
 def _feedback(proto, reason):
     """What an invalid turn gets back, in each paper's words where it has any."""
-    proto = proto.split("-")[0]  # variants registered as "<base>-..." (train.py) keep their base's feedback
+    proto = proto.split("-")[0]  # variants registered as "<base>-..." (protocol_variant) keep their base's feedback
     if proto == "mtir":
         return (f"My action is not correct. Let me rethink. ({reason}; use <think>...</think> and then either one "
                 f"<tool_call>...</tool_call> or one <answer>...</answer>)")
@@ -736,6 +736,33 @@ PROTOCOLS = {
     "mtir": Protocol("mtir", ["</tool_call>", "</answer>"], "user", 10, _mtir_messages,
                      lambda t: _parse_simple(t, "think", "tool_call", "answer", True), _wrap_mtir),
 }
+
+# --- variants (train.py --brief-prompt / --obs-rows / --echo-question): the paper prompts cost hundreds of tokens
+# per sequence, which the CPU demo pays on every step. A variant is registered as "<base>-..." and otherwise unchanged.
+
+BRIEF_SYSTEM = {
+    "trust": "Answer with SQL. Each turn: <think>, then one <action>: explore_schema or generate_sql with a "
+             "<tool_call>, propose_schema with a <schema>, confirm_answer with an <answer>.",
+    "trail": "Answer with SQL. Each turn: <reasoning>, then <sql> to run a query or <solution> to answer.",
+    "skyrl": "Answer with SQL. Each turn: <think>, then <sql> to run a query or <solution> to answer.",
+    "mtir": "Answer with SQL. Each turn: <think>, then a <tool_call> to run a query or an <answer>.",
+}
+
+
+def protocol_variant(name, brief, obs_rows, echo_question=0):
+    """Register (idempotently) and return the protocol name to use: name itself, or e.g. "trust-brief-rows10-echo"."""
+    if not brief and not obs_rows and not echo_question:
+        return name
+    base = PROTOCOLS[name]
+    variant = name + ("-brief" if brief else "") + (f"-rows{obs_rows}" if obs_rows else "") + \
+        ("-echo" if echo_question else "")
+
+    def build_messages(example, schema_mode, max_turns):
+        msgs = base.build_messages(example, schema_mode, max_turns)
+        return [{"role": "system", "content": BRIEF_SYSTEM[name]}] + msgs[1:] if brief else msgs
+    PROTOCOLS[variant] = replace(base, name=variant, build_messages=build_messages, max_rows=obs_rows or base.max_rows,
+                                 echo_question=bool(echo_question))
+    return variant
 
 # -----------------------------------------------------------------------------
 # episodes

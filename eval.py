@@ -370,7 +370,7 @@ def trained_settings(model_path) -> dict:
     if not state.is_file():
         return {}
     saved = json.loads(state.read_text())["args"]
-    from train import protocol_variant  # registers e.g. "trust-brief-rows3-echo" in env.PROTOCOLS
+    from env import protocol_variant  # registers e.g. "trust-brief-rows3-echo" in env.PROTOCOLS
     protocol = protocol_variant(saved["protocol"].split("-")[0], saved["brief_prompt"], saved["obs_rows"],
                                 saved["echo_question"])
     return {"protocol": protocol} | {k: saved[k] for k in ROLLOUT_FLAGS if k != "protocol"}

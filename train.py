@@ -150,36 +150,6 @@ def get_args(argv=None):
     return parser.parse_args(argv)
 
 # -----------------------------------------------------------------------------
-# --brief-prompt / --obs-rows: a variant of an env protocol registered under "<name>-<variant>". The paper prompts
-# cost hundreds of tokens per sequence, which the CPU demo pays on every step; everything else is unchanged.
-
-BRIEF_SYSTEM = {
-    "trust": "Answer with SQL. Each turn: <think>, then one <action>: explore_schema or generate_sql with a "
-             "<tool_call>, propose_schema with a <schema>, confirm_answer with an <answer>.",
-    "trail": "Answer with SQL. Each turn: <reasoning>, then <sql> to run a query or <solution> to answer.",
-    "skyrl": "Answer with SQL. Each turn: <think>, then <sql> to run a query or <solution> to answer.",
-    "mtir": "Answer with SQL. Each turn: <think>, then a <tool_call> to run a query or an <answer>.",
-}
-
-
-def protocol_variant(name, brief, obs_rows, echo_question=0):
-    """Register (idempotently) and return the protocol name to use: name itself, or e.g. "trust-brief-rows10-echo"."""
-    if not brief and not obs_rows and not echo_question:
-        return name
-    import dataclasses
-    base = env.PROTOCOLS[name]
-    variant = name + ("-brief" if brief else "") + (f"-rows{obs_rows}" if obs_rows else "") + \
-        ("-echo" if echo_question else "")
-
-    def build_messages(example, schema_mode, max_turns):
-        msgs = base.build_messages(example, schema_mode, max_turns)
-        return [{"role": "system", "content": BRIEF_SYSTEM[name]}] + msgs[1:] if brief else msgs
-    env.PROTOCOLS[variant] = dataclasses.replace(base, name=variant, build_messages=build_messages,
-                                                 max_rows=obs_rows or base.max_rows, echo_question=bool(echo_question))
-    return variant
-
-
-# -----------------------------------------------------------------------------
 # distributed setup: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain python is a world of one
 
 
@@ -686,7 +656,7 @@ def main(argv=None):
             print(f"copy pretraining: {args.copy_steps} steps, copy accuracy {100 * acc:.1f}%")
     # registered after load_model: the tiny tokenizer's corpus reads env.PROTOCOLS, and must not change with flags
     base_protocol = args.protocol
-    args.protocol = protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.echo_question)
+    args.protocol = env.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.echo_question)
     try:
         return run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, rank, world, device)
     finally:
@@ -753,7 +723,10 @@ def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, 
     if "sft" in stages and state["stage"] == "sft":
         sft_path = Path(args.sft_data) if args.sft_data else run_dir / f"teacher_{args.protocol}.jsonl"
         if args.sft_data is None and master and not (args.resume and sft_path.exists()):  # fresh run: fresh data
-            make_teacher_data(train[: args.teacher_limit or None], sft_path, args)
+            from data.teacher import write_teacher_data
+            write_teacher_data(train[: args.teacher_limit or None], sft_path, args.protocol, max_turns=args.max_turns,
+                               schema_mode=args.schema_mode, seed=args.seed, max_probes=args.teacher_probes,
+                               distractors=args.teacher_distractors, list_tables=bool(args.teacher_list_tables))
         barrier()
         rows = load_sft_data(sft_path, tokenizer, args.max_total_tokens, rank)
         train_sft(model, tokenizer, rows, args, ctx, state, ckpt if ckpt is not None and state["step"] else None)
@@ -796,22 +769,6 @@ def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, 
             print(f"wrote {run_dir / 'curves.png'}")
         (run_dir / "results.json").write_text(json.dumps(state["evals"], indent=1))
     return state
-
-
-def make_teacher_data(examples, path, args):
-    from data.teacher import teach_all
-    t0 = time.perf_counter()
-    kept, dropped = teach_all(examples, args.protocol, max_turns=args.max_turns, schema_mode=args.schema_mode,
-                              seed=args.seed, max_probes=args.teacher_probes, distractors=args.teacher_distractors,
-                              list_tables=bool(args.teacher_list_tables))
-    if not kept:
-        raise ValueError(f"the teacher kept no trajectory out of {len(examples)} ({dropped})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for rec in kept:
-            f.write(json.dumps(rec) + "\n")
-    print(f"teacher: kept {len(kept)}/{len(examples)} ({100 * len(kept) / len(examples):.1f}%) trajectories "
-          f"in {time.perf_counter() - t0:.0f}s -> {path}; dropped {dropped or 'none'}")
 
 
 if __name__ == "__main__":

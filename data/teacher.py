@@ -20,6 +20,7 @@ import json
 import random
 import re
 import sys
+import time
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
@@ -91,7 +92,7 @@ def render_mtir(kind, think, db_id, sql=None, schema=None):
     return f"<think>{think}</think>\n<tool_call>\n{call}\n</tool_call>"
 
 
-# protocol variants registered in env.PROTOCOLS (e.g. train.py's "trust-brief") render like their base protocol
+# protocol variants (env.protocol_variant, e.g. "trust-brief") render like their base protocol
 RENDER = {"trust": render_trust, "trail": render_trail, "skyrl": render_skyrl, "mtir": render_mtir}
 
 # -----------------------------------------------------------------------------
@@ -306,6 +307,24 @@ def teach_all(examples, protocol="trust", *, max_turns=10, schema_mode="none", s
             kept.append(rec)
     return kept, dropped
 
+
+
+def write_teacher_data(examples, path, protocol="trust", **teach_kw):
+    """teach_all -> JSONL at path, with a report of what was kept and why the rest was dropped; returns kept."""
+    t0 = time.perf_counter()
+    kept, dropped = teach_all(examples, protocol, **teach_kw)
+    if not kept:
+        raise ValueError(f"the teacher kept no trajectory out of {len(examples)} ({dropped})")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for rec in kept:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    print(f"teacher: kept {len(kept)}/{len(examples)} ({100 * len(kept) / len(examples):.1f}%) trajectories "
+          f"in {time.perf_counter() - t0:.0f}s -> {path}")
+    for reason, n in sorted(dropped.items(), key=lambda kv: -kv[1]):
+        print(f"  dropped {n}: {reason}")
+    return kept
+
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
@@ -323,13 +342,6 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     examples = env.load_examples(args.data)[: args.limit or None]
-    kept, dropped = teach_all(examples, args.protocol, max_turns=args.max_turns, schema_mode=args.schema_mode,
-                              seed=args.seed, distractors=args.distractors, max_probes=args.max_probes,
-                              repair_rate=args.repair_rate, list_tables=bool(args.list_tables))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        for rec in kept:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    print(f"kept {len(kept)}/{len(examples)} ({100 * len(kept) / max(1, len(examples)):.1f}%) -> {args.out}")
-    for reason, n in sorted(dropped.items(), key=lambda kv: -kv[1]):
-        print(f"  dropped {n}: {reason}")
+    write_teacher_data(examples, args.out, args.protocol, max_turns=args.max_turns, schema_mode=args.schema_mode,
+                       seed=args.seed, distractors=args.distractors, max_probes=args.max_probes,
+                       repair_rate=args.repair_rate, list_tables=bool(args.list_tables))

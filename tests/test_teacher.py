@@ -6,7 +6,7 @@ import json
 import pytest
 
 import env
-from data.teacher import check_trajectory, teach, teach_all
+from data.teacher import check_trajectory, teach, teach_all, write_teacher_data
 
 PROTOCOLS = ["trust", "trail", "mtir", "skyrl"]
 
@@ -102,6 +102,19 @@ def test_same_seed_same_data_and_thinking_varies(gym_examples):
     assert a == b
     thinks = {r["messages"][-1]["content"].split("</think>")[0] for r in a}
     assert len(thinks) > 1  # thinking text comes from templates that vary per example
+
+
+def test_written_jsonl_holds_exactly_the_kept_trajectories_and_reports_the_dropped(gym_examples, tmp_path, capsys):
+    broken = dict(gym_examples[0], id="broken", gold_sql="SELECT nope FROM nowhere")  # cannot be taught
+    out = tmp_path / "sub" / "t.jsonl"
+    kept = write_teacher_data([broken] + gym_examples[:4], out, "trust", seed=0)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == kept == teach_all(gym_examples[:4], seed=0)[0]
+    report = capsys.readouterr().out
+    assert "kept 4/5" in report and "dropped 1: plan" in report
+    with pytest.raises(ValueError, match="kept no trajectory"):
+        write_teacher_data([broken], tmp_path / "none.jsonl", "trust")
+    assert not (tmp_path / "none.jsonl").exists()  # nothing half-written when nothing was kept
+
 
 # -----------------------------------------------------------------------------
 # real Spider dev
