@@ -308,7 +308,6 @@ def teach_all(examples, protocol="trust", *, max_turns=10, schema_mode="none", s
     return kept, dropped
 
 
-
 def write_teacher_data(examples, path, protocol="trust", **teach_kw):
     """teach_all -> JSONL at path, with a report of what was kept and why the rest was dropped; returns kept."""
     t0 = time.perf_counter()
