@@ -8,7 +8,7 @@ Train a text-to-SQL agent: SFT warm-up on multi-turn trajectories, then multi-tu
     torchrun --nproc_per_node=8 train.py --recipe trust --model Qwen/Qwen3-4B --data ... --fsdp
 
 A recipe (--recipe trust|trail|mtir|skyrl) is a dict of flag defaults taken from its paper; explicit flags win.
-Checkpoints (out/<run>/ckpt-XXXXXX) are save_pretrained folders plus optimizer/scheduler/RNG/data position;
+Checkpoints (out/<run-name>/ckpt-XXXXXX) are save_pretrained folders plus optimizer/scheduler/RNG/data position;
 --resume continues the latest one exactly.
 """
 import argparse
@@ -66,7 +66,7 @@ TINY = dict(tiny_shape="hidden_size=128,intermediate_size=256,num_attention_head
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(copy_steps=2, sft_steps=2, rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2,
              teacher_limit=16, eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24,
-             max_total_tokens=1024, filter_k=0, filter_limit=0, filter_drop_unsolved=0, run="quick")
+             max_total_tokens=1024, filter_k=0, filter_limit=0, filter_drop_unsolved=0, run_name="quick")
 
 
 def get_parser():
@@ -127,10 +127,10 @@ def get_parser():
     a("--eval-batch-size", type=int, default=64, help="trajectories decoded together in eval")
     a("--ckpt-every", type=int, default=50)
     a("--keep-ckpts", type=int, default=2)
-    a("--resume", action="store_true", help="continue the latest checkpoint in out/<run>")
+    a("--resume", action="store_true", help="continue the latest checkpoint in out/<run-name>")
     a("--stop-after", type=int, default=0, help="exit right after the checkpoint at this global step (tests)")
     a("--out-dir", default=str(ROOT / "out"))
-    a("--run", default="demo")
+    a("--run-name", default="demo", help="run directory under --out-dir (torchrun claims --run for itself)")
     a("--seed", type=int, default=0)
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of DDP")
@@ -326,7 +326,7 @@ def optim_state(model, optimizer, fsdp):
 
 
 def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
-    """out/<run>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
+    """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
     final, tmp = run_dir / f"ckpt-{gstep:06d}", run_dir / f".tmp-ckpt-{gstep:06d}"
     weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
     opt = optim_state(model, optimizer, args.fsdp)
@@ -471,7 +471,7 @@ class Logger:
         self.path.write_text("".join(line + "\n" for line in old if json.loads(line)["gstep"] <= gstep))
         if args.wandb:
             import wandb
-            self.wandb = wandb.init(project="sqlrl", name=args.run, config=vars(args), resume="allow")
+            self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), resume="allow")
 
     def log(self, row):
         if self.on:
@@ -562,7 +562,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
     if args.fsdp and world > 1:
         raise NotImplementedError("--fsdp covers SFT only: rollout.py and grpo.grpo_step read the LM head directly and "
                                   "all-reduce full gradients, which assumes replicated (DDP-style) parameters. Run RL "
-                                  "without --fsdp from the SFT checkpoint (--stage rl --model out/<run>/ckpt-...)")
+                                  "without --fsdp from the SFT checkpoint (--stage rl --model out/<run-name>/ckpt-...)")
     if args.rl_batch_size % world:
         raise ValueError(f"--rl-batch-size {args.rl_batch_size} must be a multiple of the world size {world}")
     opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
@@ -611,7 +611,7 @@ def main(argv=None):
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    run_dir = Path(args.out_dir) / args.run
+    run_dir = Path(args.out_dir) / args.run_name
     stages = ["sft", "rl"] if args.stage == "both" else [args.stage]
     master = rank == 0
 
@@ -769,8 +769,16 @@ def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, 
         if plot_curves(log.rows(), run_dir / "curves.png"):
             print(f"wrote {run_dir / 'curves.png'}")
         (run_dir / "results.json").write_text(json.dumps(state["evals"], indent=1))
+        if log.wandb:
+            log.wandb.finish()
     return state
 
 
 if __name__ == "__main__":
     main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor during interpreter
+        # teardown takes the GIL and aborts (SIGABRT, ~1 run in 20), failing a finished run. Everything is written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -3,6 +3,7 @@
     python -m pytest -q tests/test_grpo.py
 """
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -293,6 +294,7 @@ def _rank_main(rank, world, tmp):
                                 for k, v in model.state_dict().items()}}
     torch.save(out, f"{tmp}/rank{rank}.pt")
     dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort interpreter teardown after a clean run (SIGABRT, ~1 in 8): skip it
 
 
 def test_token_mean_is_global_across_two_ranks(tmp_path):

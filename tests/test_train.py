@@ -46,6 +46,24 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     assert train.get_args(["--recipe", "skyrl", "--group-size", "3"]).group_size == 3  # explicit beats recipe
     assert train.get_args(["--quick", "--sft-steps", "7"]).sft_steps == 7  # explicit beats --quick too
 
+
+def test_every_preset_key_is_a_flag():
+    # set_defaults accepts any name, so a renamed flag would leave its preset value silently unused
+    dests = {a.dest for a in train.get_parser()._actions}
+    for name, preset in [*train.RECIPES.items(), ("TINY", train.TINY), ("QUICK", train.QUICK)]:
+        assert set(preset) <= dests, f"{name}: {set(preset) - dests} are not train.py flags"
+
+
+def test_torchrun_hands_every_flag_to_train_py():
+    # torchrun's parser allows abbreviations even after the script name: "--run" would be claimed as --run-path
+    from torch.distributed.run import get_args_parser
+    for flag in (o for a in train.get_parser()._actions for o in a.option_strings):
+        try:
+            script_args = get_args_parser().parse_args(["train.py", flag, "x"]).training_script_args
+        except SystemExit:
+            script_args = None
+        assert script_args == [flag, "x"], f"torchrun does not pass {flag} through to train.py"
+
 # -----------------------------------------------------------------------------
 # SFT masking
 
@@ -225,3 +243,19 @@ def test_ddp_gradients_match_single_process(tmp_path):
     one, two = torch.load(tmp_path / "grad1.pt"), torch.load(tmp_path / "grad2.pt")
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)
+
+
+def test_torchrun_two_ranks_match_one_process(tmp_path):
+    # the command users launch: torchrun, two gloo ranks, each SFT step's batch split between them
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
+           str(ROOT / "train.py"), *QUICK, "--out-dir", str(tmp_path), "--run-name", "two"]
+    run = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    train.main(QUICK + ["--out-dir", str(tmp_path), "--run-name", "one"])
+    rows = {n: [json.loads(line) for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+            for n in ("one", "two")}
+    sft = {n: [r["loss"] for r in rows[n] if r["stage"] == "sft"] for n in rows}
+    assert len(sft["two"]) == 2 and sft["two"] == pytest.approx(sft["one"], rel=1e-4)
+    assert [r["step"] for r in rows["two"] if r["stage"] == "rl"] == [1, 2]
+    assert set(json.loads((tmp_path / "two" / "results.json").read_text())) == {"sft", "rl"}
+
