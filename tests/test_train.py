@@ -142,16 +142,23 @@ def final_weights(run_dir):
     return ckpt, load_file(next(ckpt.glob("*.safetensors")))
 
 
-def test_quick_run_sft_then_two_rl_steps(tmp_path):
-    state = train.main(QUICK + ["--out-dir", str(tmp_path)])
-    run = tmp_path / "quick"
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One in-process --quick run (run dir out/quick), shared by the tests that read it."""
+    out = tmp_path_factory.mktemp("quick")
+    state = train.main(QUICK + ["--out-dir", str(out)])
+    assert set(state["evals"]) == {"sft", "rl"}
+    return out / "quick"
+
+
+def test_quick_run_sft_then_two_rl_steps(tmp_path, quick_run):
+    run = quick_run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     for key in ("reward_full", "reward_schema", "ex", "turns", "tool_calls", "sampled_tokens", "loss_full",
                 "loss_schema", "clip_frac_high", "time_rollout", "time_env", "time_update"):
         assert key in rl[0], key
-    assert set(state["evals"]) == {"sft", "rl"}
     ckpt, _ = final_weights(run)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(ckpt)  # a plain HF folder
@@ -197,10 +204,16 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
 # DDP: 2 gloo processes compute the same gradient as one process
 
 
-def _free_port():
+def torchrun(world, script, *argv, cwd=None):
+    """Launch script on `world` gloo ranks the way users do (torchrun), on a free port; asserts a clean exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port", str(port),
+           str(script), *map(str, argv)]
+    run = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=cwd, timeout=120, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 DDP_SCRIPT = r"""
@@ -235,25 +248,17 @@ def test_ddp_gradients_match_single_process(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     for world in (1, 2):
-        envs = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port",
-               str(_free_port()), str(script), str(ROOT), str(tmp_path / f"grad{world}.pt")]
-        run = subprocess.run(cmd, env=envs, cwd=tmp_path, timeout=120, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-3000:]
+        torchrun(world, script, ROOT, tmp_path / f"grad{world}.pt", cwd=tmp_path)
     one, two = torch.load(tmp_path / "grad1.pt"), torch.load(tmp_path / "grad2.pt")
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)
 
 
-def test_torchrun_two_ranks_match_one_process(tmp_path):
+def test_torchrun_two_ranks_match_one_process(tmp_path, quick_run):
     # the command users launch: torchrun, two gloo ranks, each SFT step's batch split between them
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
-           str(ROOT / "train.py"), *QUICK, "--out-dir", str(tmp_path), "--run-name", "two"]
-    run = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    train.main(QUICK + ["--out-dir", str(tmp_path), "--run-name", "one"])
-    rows = {n: [json.loads(line) for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
-            for n in ("one", "two")}
+    torchrun(2, ROOT / "train.py", *QUICK, "--out-dir", tmp_path, "--run-name", "two")
+    rows = {n: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            for n, d in (("one", quick_run), ("two", tmp_path / "two"))}
     sft = {n: [r["loss"] for r in rows[n] if r["stage"] == "sft"] for n in rows}
     assert len(sft["two"]) == 2 and sft["two"] == pytest.approx(sft["one"], rel=1e-4)
     assert [r["step"] for r in rows["two"] if r["stage"] == "rl"] == [1, 2]
