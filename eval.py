@@ -361,19 +361,21 @@ def write_bird_predictions(path, examples: list[dict], sqls: list) -> None:
 # CLI
 
 ROLLOUT_FLAGS = dict(protocol="trust", schema_mode="none", max_turns=15, max_new_tokens=1024, max_total_tokens=16384)
+TRAINED_FLAGS = ("protocol", "brief_prompt", "obs_rows", "echo_question", "schema_mode", "max_turns", "max_new_tokens",
+                 "max_total_tokens")
 
 
 def trained_settings(model_path) -> dict:
-    """The rollout settings a train.py checkpoint was trained with, from its state.json ({} for anything else), so
-    that a checkpoint is evaluated in its own protocol: the CPU demo's model has never seen the full trust prompt."""
+    """The flags that fix what a train.py checkpoint has seen, from its state.json ({} for anything else): the base
+    protocol, the demo's prompt variant (brief_prompt, obs_rows, echo_question), schema mode, turn and token limits.
+    eval.py and `train.py --model <checkpoint>` default to them: the CPU demo's model has never seen the full trust
+    prompt, and scores ~0 % in it."""
     state = Path(model_path) / "state.json"
     if not state.is_file():
         return {}
     saved = json.loads(state.read_text())["args"]
-    from env import protocol_variant  # registers e.g. "trust-brief-rows3-echo" in env.PROTOCOLS
-    protocol = protocol_variant(saved["protocol"].split("-")[0], saved["brief_prompt"], saved["obs_rows"],
-                                saved["echo_question"])
-    return {"protocol": protocol} | {k: saved[k] for k in ROLLOUT_FLAGS if k != "protocol"}
+    # train.py saves the registered variant name ("trust-brief-rows3-echo"); the flags above rebuild it
+    return {k: saved[k] for k in TRAINED_FLAGS} | {"protocol": saved["protocol"].split("-")[0]}
 
 
 if __name__ == "__main__":
@@ -403,6 +405,10 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     trained = trained_settings(args.model)
+    if trained and args.protocol is None:  # the checkpoint's own prompt variant; an explicit --protocol is used as is
+        from env import protocol_variant  # registers e.g. "trust-brief-rows3-echo" in env.PROTOCOLS
+        args.protocol = protocol_variant(trained["protocol"], trained["brief_prompt"], trained["obs_rows"],
+                                         trained["echo_question"])
     for key, default in ROLLOUT_FLAGS.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, default))

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
+from eval import trained_settings  # noqa: E402
 from model import load_model  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -140,12 +141,14 @@ def get_parser():
 
 
 def get_args(argv=None):
-    """Parse once for --recipe/--model/--quick, make their presets the defaults, parse again: explicit flags win."""
+    """Parse once for --recipe/--model/--quick, make their presets the defaults, parse again: explicit flags win.
+    A train.py checkpoint as --model brings the prompt variant and limits it was trained in (eval.trained_settings)."""
     parser = get_parser()
     first, _ = parser.parse_known_args(argv)
     parser.set_defaults(**RECIPES[first.recipe])
     if first.model == "tiny":
         parser.set_defaults(**TINY)
+    parser.set_defaults(**trained_settings(first.model))
     if first.quick:
         parser.set_defaults(**QUICK)
     return parser.parse_args(argv)
@@ -614,6 +617,9 @@ def main(argv=None):
     run_dir = Path(args.out_dir) / args.run_name
     stages = ["sft", "rl"] if args.stage == "both" else [args.stage]
     master = rank == 0
+    if master and trained_settings(args.model):
+        print("settings the checkpoint was trained in (a flag overrides): "
+              + ", ".join(f"{k}={getattr(args, k)}" for k in trained_settings(args.model)))
 
     # --- data: default to the gym (built once, by rank 0)
     if None in (args.data, args.dev_data, args.test_data):

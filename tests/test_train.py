@@ -182,6 +182,22 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path, quick_run):
     assert f"max_turns={saved['max_turns']}, max_new_tokens={saved['max_new_tokens']}," in out.stdout
 
 
+def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, quick_run):
+    # `--stage rl --model <SFT checkpoint>` is not --model tiny, so the demo's preset does not apply; the checkpoint's
+    # state.json must, or RL would start in the full trust prompt and 2 048-token turns the model has never seen
+    ckpt, _ = final_weights(quick_run)
+    args = train.get_args(["--stage", "rl", "--model", str(ckpt)])
+    assert (args.protocol, args.brief_prompt, args.echo_question, args.obs_rows) == ("trust", 1, 1, 3)
+    assert (args.max_new_tokens, args.max_total_tokens, args.max_turns) == (24, 1024, 5)  # QUICK's, not 2048/16384/10
+    flags = train.get_args(["--stage", "rl", "--model", str(ckpt), "--max-new-tokens", "50", "--brief-prompt", "0"])
+    assert (flags.max_new_tokens, flags.brief_prompt, flags.echo_question) == (50, 0, 1)  # a flag still wins
+    train.main(["--stage", "rl", "--model", str(ckpt), "--rl-steps", "1", "--rl-batch-size", "1", "--group-size", "2",
+                "--filter-k", "0", "--eval-limit", "1", "--ckpt-every", "0", "--out-dir", str(tmp_path),
+                "--run-name", "rl"])
+    saved = json.loads((train.latest_checkpoint(tmp_path / "rl") / "state.json").read_text())["args"]
+    assert saved["protocol"] == "trust-brief-rows3-echo"
+
+
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
     args = QUICK + ["--sft-steps", "2", "--rl-steps", "2", "--filter-k", "2", "--filter-limit", "2",
                     "--filter-pass-rate", "1.01", "--eval-limit", "1", "--max-new-tokens", "12"]
