@@ -1,4 +1,5 @@
-"""data/teacher.py: every kept trajectory replays as format-valid and matches gold, on the gym and on Spider dev.
+"""data/teacher.py: every kept trajectory replays as format-valid and matches gold, on the gym, on Spider dev and on
+BIRD- and SynSQL-format fixtures.
 python -m pytest -q tests/test_teacher.py"""
 import copy
 import json
@@ -134,6 +135,53 @@ def test_spider_dev_trajectories_validate(spider_dir):
     assert len(kept) >= 0.8 * len(examples), dropped
     assert_valid(kept, examples)
     assert len({r["db_id"] for r in kept}) >= 5
+
+
+def make_bird_like_db(path):
+    """Two joined tables with BIRD-style names (spaces, parentheses) and a coded column the evidence explains."""
+    import sqlite3
+    path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(path)
+    conn.execute('CREATE TABLE schools ("CDSCode" TEXT PRIMARY KEY, "School Name" TEXT, "County Name" TEXT)')
+    conn.execute('CREATE TABLE frpm ("CDSCode" TEXT REFERENCES schools("CDSCode"), "Charter School (Y/N)" INTEGER, '
+                 '"Enrollment (K-12)" REAL)')
+    conn.executemany("INSERT INTO schools VALUES (?, ?, ?)",
+                     [("01", "Oak High", "Alameda"), ("02", "Elm Prep", "Fresno"), ("03", "Ash Middle", "Alameda")])
+    conn.executemany("INSERT INTO frpm VALUES (?, ?, ?)", [("01", 1, 120.0), ("02", 0, 80.0), ("03", 1, 95.5)])
+    conn.commit()
+    conn.close()
+
+
+BIRD_LIKE = [  # BIRD quotes with backticks; SynSQL with double quotes
+    ("How many schools are in Alameda?", "Alameda refers to `County Name` = 'Alameda'",
+     "SELECT COUNT(*) FROM schools WHERE `County Name` = 'Alameda'"),
+    ("List the names of charter schools in Alameda.", "charter schools refers to `Charter School (Y/N)` = 1",
+     "SELECT T1.`School Name` FROM schools AS T1 INNER JOIN frpm AS T2 ON T1.CDSCode = T2.CDSCode "
+     "WHERE T2.`Charter School (Y/N)` = 1 AND T1.`County Name` = 'Alameda'"),
+    ("What is the highest K-12 enrollment?", "", 'SELECT MAX("Enrollment (K-12)") FROM frpm'),
+]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_bird_and_synsql_format_trajectories_validate(tmp_path, protocol):
+    # the loaders' own records, not hand-made dicts: the teacher must take what data/bird and data/synsql produce
+    from data.bird.prepare import load_bird
+    from data.synsql.prepare import load_synsql
+    make_bird_like_db(tmp_path / "bird" / "dev_databases" / "schools" / "schools.sqlite")
+    (tmp_path / "bird" / "dev.json").write_text(json.dumps(
+        [dict(question_id=i, db_id="schools", question=q, evidence=e, SQL=sql, difficulty="simple")
+         for i, (q, e, sql) in enumerate(BIRD_LIKE)]))
+    make_bird_like_db(tmp_path / "syn" / "databases" / "db_1" / "db_1.sqlite")
+    (tmp_path / "syn" / "data.json").write_text(json.dumps(
+        [dict(db_id="db_1", question=q, external_knowledge=e, sql=sql.replace("`", '"'), sql_complexity="Simple")
+         for q, e, sql in BIRD_LIKE]))
+    examples = load_bird(tmp_path / "bird")[0] + load_synsql(tmp_path / "syn")[0]
+    assert len(examples) == 6
+    kept, dropped = teach_all(examples, protocol, max_turns=10, seed=0)
+    assert len(kept) == 6, dropped
+    assert_valid(kept, examples)
+    join = next(r for r in kept if r["id"] == examples[1]["id"])  # the join reads and proposes both tables
+    assert all(t in json.dumps(join["messages"]) for t in ("CREATE TABLE schools", "CREATE TABLE frpm"))
 
 
 @pytest.mark.parametrize("schema_mode", ["explore_turn", "prompt"])
