@@ -435,7 +435,8 @@ def rl_step_metrics(trajs, rewards, times, grpo_metrics, world):
     local = {f"reward_{k}": sum(float(r.get(k) or 0.0) for r in rewards) for k in keys}
     local |= {"ex": sum(r["correct"] for r in rewards), "turns": sum(t.num_turns for t in trajs),
               "tool_calls": sum(t.num_tool_calls for t in trajs),
-              "sampled_tokens": sum(sum(t.loss_mask) for t in trajs), "seq_tokens": sum(len(t.token_ids) for t in trajs),
+              "sampled_tokens": sum(sum(t.loss_mask) for t in trajs),
+              "seq_tokens": sum(len(t.token_ids) for t in trajs),
               "answered": sum(t.episode.final_sql is not None for t in trajs), "n": len(trajs)}
     tot = all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()
     tot = dict(zip(local, tot))
