@@ -373,7 +373,9 @@ def trained_settings(model_path) -> dict:
     state = Path(model_path) / "state.json"
     if not state.is_file():
         return {}
-    saved = json.loads(state.read_text())["args"]
+    saved = json.loads(state.read_text()).get("args")
+    if not isinstance(saved, dict) or not set(TRAINED_FLAGS) <= set(saved):
+        return {}  # some other tool's state.json
     # train.py saves the registered variant name ("trust-brief-rows3-echo"); the flags above rebuild it
     return {k: saved[k] for k in TRAINED_FLAGS} | {"protocol": saved["protocol"].split("-")[0]}
 
