@@ -196,6 +196,9 @@ def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, 
                 "--run-name", "rl"])
     saved = json.loads((train.latest_checkpoint(tmp_path / "rl") / "state.json").read_text())["args"]
     assert saved["protocol"] == "trust-brief-rows3-echo"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "state.json").write_text('{"step": 3}')  # another tool's file of the same name
+    assert train.trained_settings(tmp_path / "other") == {}
 
 
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
