@@ -618,9 +618,10 @@ def main(argv=None):
     run_dir = Path(args.out_dir) / args.run_name
     stages = ["sft", "rl"] if args.stage == "both" else [args.stage]
     master = rank == 0
-    if master and trained_settings(args.model):
+    trained = trained_settings(args.model)
+    if master and trained:
         print("settings the checkpoint was trained in (a flag overrides): "
-              + ", ".join(f"{k}={getattr(args, k)}" for k in trained_settings(args.model)))
+              + ", ".join(f"{k}={getattr(args, k)}" for k in trained))
 
     # --- data: default to the gym (built once, by rank 0)
     if None in (args.data, args.dev_data, args.test_data):

@@ -282,4 +282,3 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, quick_run):
     assert len(sft["two"]) == 2 and sft["two"] == pytest.approx(sft["one"], rel=1e-4)
     assert [r["step"] for r in rows["two"] if r["stage"] == "rl"] == [1, 2]
     assert set(json.loads((tmp_path / "two" / "results.json").read_text())) == {"sft", "rl"}
-
