@@ -292,8 +292,8 @@ def format_observation(result, max_rows=30, max_chars=4000) -> str:
     return "\n".join(lines)
 
 
-def _quote(name):
-    return '"' + name.replace('"', '""') + '"'
+def quote_ident(name):  # backticks (SQLite and BIRD accept them) stay the same text inside a JSON tool call
+    return "`" + name.replace("`", "``") + "`"
 
 
 def _literal(v):  # an example value as the SQL literal the agent would type
@@ -301,7 +301,7 @@ def _literal(v):  # an example value as the SQL literal the agent would type
 
 
 def _ident(name):
-    return name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else _quote(name)
+    return name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else quote_ident(name)
 
 
 def describe_schema(db_path, style="list", example_values=0) -> str:
@@ -322,15 +322,19 @@ def _describe(path, mtime_ns, size, style, k):
     with _open(path, time.monotonic() + 60.0, [], []) as conn:
         for name, create in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT "
                                          "NULL AND name NOT LIKE 'sqlite_%' ORDER BY rowid").fetchall():
-            cols = conn.execute(f"PRAGMA table_info({_quote(name)})").fetchall()  # (cid, name, type, nn, dflt, pk)
+            cols = conn.execute(f"PRAGMA table_info({quote_ident(name)})").fetchall()  # (cid, name, type, nn, dflt, pk)
             examples = {}
             for c in cols if k > 0 else []:
-                vals = conn.execute(f"SELECT DISTINCT {_quote(c[1])} FROM {_quote(name)} WHERE {_quote(c[1])} "
-                                    f"IS NOT NULL LIMIT {k}").fetchall()
+                col = quote_ident(c[1])
+                vals = conn.execute(f"SELECT DISTINCT {col} FROM {quote_ident(name)} WHERE {col} IS NOT NULL "
+                                    f"LIMIT {k}").fetchall()
                 examples[c[1]] = ", ".join(_literal(v[0]) for v in vals)
-            for fk in conn.execute(f"PRAGMA foreign_key_list({_quote(name)})").fetchall():
+            for fk in conn.execute(f"PRAGMA foreign_key_list({quote_ident(name)})").fetchall():
                 # (id, seq, table, from, to, ...); `to` is NULL when it means the other table's primary key
-                to = fk[4] or next((c[1] for c in conn.execute(f"PRAGMA table_info({_quote(fk[2])})") if c[5]), fk[3])
+                to = fk[4]
+                if not to:
+                    parent_cols = conn.execute(f"PRAGMA table_info({quote_ident(fk[2])})").fetchall()
+                    to = next((c[1] for c in parent_cols if c[5]), fk[3])
                 fks.append(f"{_ident(name)}.{_ident(fk[3])} = {_ident(fk[2])}.{_ident(to)}")
             if style == "create":
                 ex = "".join(f"\n--   {_ident(c)}: {v}" for c, v in examples.items() if v)

@@ -24,7 +24,7 @@ from sqlglot.optimizer.qualify import qualify
 from sqlglot.optimizer.scope import traverse_scope
 from sqlglot.tokens import Tokenizer, TokenType
 
-from env import results_match, run_many, run_sql
+from env import quote_ident, results_match, run_many, run_sql
 
 # -----------------------------------------------------------------------------
 # K*: the minimal schema (tables, "table.column") a SQL query touches
@@ -38,8 +38,7 @@ def db_schema(db_path: str) -> dict:
     con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)  # read-only: the schema reader never writes
     try:
         names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")]
-        quoted = {n: '"' + n.replace('"', '""') + '"' for n in names}
-        return {n.lower(): {c[1].lower(): c[2] or "TEXT" for c in con.execute(f"PRAGMA table_info({quoted[n]})")}
+        return {n.lower(): {c[1].lower(): c[2] or "TEXT" for c in con.execute(f"PRAGMA table_info({quote_ident(n)})")}
                 for n in names}
     finally:
         con.close()

@@ -49,10 +49,6 @@ THINK = {
 LIST_TABLES_SQL = "SELECT name FROM sqlite_master WHERE type = 'table'"
 
 
-def quote_ident(name):
-    return '"' + name.replace('"', '""') + '"'
-
-
 def quote_str(value):
     return "'" + str(value).replace("'", "''") + "'"
 
@@ -100,7 +96,7 @@ RENDER = {"trust": render_trust, "trail": render_trail, "skyrl": render_skyrl, "
 
 
 def table_columns(db_path, table):
-    res = env.run_sql(db_path, f"PRAGMA table_info({quote_ident(table)})")
+    res = env.run_sql(db_path, f"PRAGMA table_info({env.quote_ident(table)})")
     return [] if res.error else [row[1] for row in res.rows]
 
 
@@ -174,14 +170,18 @@ def break_sql(gold_sql, columns, rng):
     cols = [c for c in tree.find_all(exp.Column) if c.name and c.name != "*"]
     if not cols:
         return None, None
-    target = rng.choice(cols)
+    ident = rng.choice(cols).this
     known = {k.lower() for ks in columns.values() for k in ks}
     for suffix in ("_name", "_id", "s", "_value"):
-        wrong = target.name + suffix
+        wrong = ident.name + suffix
         if wrong.lower() not in known:
             break
-    target.set("this", exp.to_identifier(wrong, quoted=True))
-    return tree.sql(dialect="sqlite"), wrong
+    # splice the name into the gold text at the identifier's offsets: the repair then differs from the broken attempt
+    # in that one name, and the SQL keeps gold's quoting and layout (sqlglot would re-quote it all with "...")
+    start, end = ident.meta["start"], ident.meta["end"]
+    quote = gold_sql[start] if ident.args.get("quoted") else ""
+    close = {"[": "]"}.get(quote, quote)
+    return gold_sql[:start] + quote + wrong.replace(close, close * 2) + close + gold_sql[end + 1:], wrong
 
 # -----------------------------------------------------------------------------
 # one trajectory
@@ -211,12 +211,12 @@ def plan_turns(example, protocol, schema_mode, rng, distractors=1, max_probes=2,
         turns.append(("explore", pick("schema", tables=" and ".join(tables)), sql, None))
     for t, c, value in filtered[:max_probes]:
         # few distinct values: list them all; many (names): look the question's value up with LIKE
-        n = env.run_sql(db_path, f"SELECT COUNT(DISTINCT {quote_ident(c)}) FROM {quote_ident(t)}").rows
+        n = env.run_sql(db_path, f"SELECT COUNT(DISTINCT {env.quote_ident(c)}) FROM {env.quote_ident(t)}").rows
         if n and n[0][0] <= 12:
-            sql = f"SELECT DISTINCT {quote_ident(c)} FROM {quote_ident(t)}"
+            sql = f"SELECT DISTINCT {env.quote_ident(c)} FROM {env.quote_ident(t)}"
         else:
             word = max(re.findall(r"[^\s%_']+", value) or [value], key=len)
-            sql = (f"SELECT DISTINCT {quote_ident(c)} FROM {quote_ident(t)} WHERE {quote_ident(c)} "
+            sql = (f"SELECT DISTINCT {env.quote_ident(c)} FROM {env.quote_ident(t)} WHERE {env.quote_ident(c)} "
                    f"LIKE {quote_str('%' + word + '%')} LIMIT 10")
         turns.append(("explore", pick("probe", col=f"{t}.{c}"), sql, None))
     if protocol.startswith("trust"):

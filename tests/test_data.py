@@ -98,20 +98,31 @@ def test_gym_splits_hold_out_databases_templates_and_values(gym):
 
 
 def test_gym_questions_quote_values_exactly_as_the_sql_does(gym):
-    # "... in the city 'Fresno'?" -> WHERE "City" = 'Fresno': same characters, so the same tokens to copy
+    # "... in the city 'Fresno'?" -> WHERE `City` = 'Fresno': same characters, so the same tokens to copy
     for r in gym["train"] + gym["test"]:
         for literal in re.findall(r"'[^']*'", r["gold_sql"]):
             if literal != "'%Y'":  # strftime's format, not a value
                 assert literal in r["question"] or literal in r["evidence"], (literal, r)
     q = next(r for r in gym["train"] if "in the city '" in r["question"])
     city = re.search(r"in the city ('[^']*')", q["question"]).group(1)
-    assert f'"City" = {city}' in q["gold_sql"]
+    assert f'`City` = {city}' in q["gold_sql"]
+
+
+def test_gym_names_read_the_same_in_evidence_schema_tool_call_and_answer(gym, gym_dir):
+    # backticks, as in BIRD: a JSON tool call needs no escapes for them, so a model copies the same tokens it read
+    for r in gym["train"] + gym["dev"] + gym["test"]:
+        assert '"' not in r["gold_sql"] and json.dumps(r["gold_sql"]) == f'"{r["gold_sql"]}"', r["gold_sql"]
+    coded = next(r for r in gym["train"] if "`Charter School (Y/N)` = 1" in r["evidence"])
+    assert "`Charter School (Y/N)` = 1" in coded["gold_sql"]
+    conn = sqlite3.connect(f"file:{gym_dir / 'databases/schools/schools.sqlite'}?mode=ro", uri=True)
+    create = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'schools'").fetchone()[0]
+    assert "`Charter School (Y/N)` INTEGER" in create and '"' not in create
 
 
 def test_gym_databases_are_messy_like_bird(gym, gym_dir):
     coded = [r for r in gym["train"] if r["evidence"]]
     assert len(coded) > 100 and all(" refers to " in r["evidence"] for r in coded)
-    assert any('"Charter School (Y/N)" = 1' in r["gold_sql"] for r in coded)
+    assert any("`Charter School (Y/N)` = 1" in r["gold_sql"] for r in coded)
     conn = sqlite3.connect(f"file:{gym_dir / 'databases/schools/schools.sqlite'}?mode=ro", uri=True)
     assert conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] >= 30
     assert conn.execute('SELECT COUNT(*) FROM schools WHERE "Phone" IS NULL').fetchone()[0] > 0

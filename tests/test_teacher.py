@@ -3,11 +3,12 @@ BIRD- and SynSQL-format fixtures.
 python -m pytest -q tests/test_teacher.py"""
 import copy
 import json
+import random
 
 import pytest
 
 import env
-from data.teacher import check_trajectory, teach, teach_all, write_teacher_data
+from data.teacher import break_sql, check_trajectory, teach, teach_all, write_teacher_data
 
 PROTOCOLS = ["trust", "trail", "mtir", "skyrl"]
 
@@ -80,6 +81,20 @@ def test_repaired_first_attempt_shows_the_error_and_still_passes(gym_examples):
     obs = [m["content"] for m in repaired[0]["messages"] if m["role"] == env.PROTOCOLS["trust"].obs_role]
     assert any("Error" in o for o in obs)
     assert_valid(repaired, gym_examples)
+
+
+@pytest.mark.parametrize("gold, broken", [
+    ("SELECT `School Name` FROM schools WHERE `City` = 'Fresno'",
+     "SELECT `School Name` FROM schools WHERE `City_name` = 'Fresno'"),
+    ('SELECT "School Name" FROM schools WHERE "City" = \'Fresno\'',
+     'SELECT "School Name" FROM schools WHERE "City_name" = \'Fresno\''),
+    ("SELECT T1.name FROM singer AS T1 WHERE T1.age > 30", "SELECT T1.name FROM singer AS T1 WHERE T1.age_name > 30"),
+])
+def test_broken_attempt_renames_one_column_and_keeps_golds_quoting(gold, broken):
+    # the repair turn then differs from the broken attempt in one name, in the quotes the gold SQL uses
+    seeds = [s for s in range(20) if break_sql(gold, {"t": ["x"]}, random.Random(s))[0] == broken]
+    assert seeds, [break_sql(gold, {"t": ["x"]}, random.Random(s))[0] for s in range(3)]
+    assert break_sql(gold, {"t": ["x"]}, random.Random(seeds[0]))[1] in broken
 
 
 def test_check_rejects_wrong_answer_and_forged_observation(gym_examples):

@@ -28,7 +28,7 @@ if __name__ == "__main__":  # run as a script: make `data.*` importable like fro
 from data.gym.domains import DISTRACTOR_COLS, DISTRACTOR_NOUNS, DISTRACTOR_WORDS, DOMAINS, NAMES, C  # noqa: E402
 
 GYM_DIR = Path(__file__).resolve().parent
-GYM_VERSION = 1  # bump when the generated data changes on purpose
+GYM_VERSION = 2  # bump when the generated data changes on purpose (2: identifiers in backticks)
 LEVELS = ["easy", "medium", "hard", "extra"]
 # level of question i is LEVEL_CYCLE[...]: 30% easy, 25% medium, 20% hard, 25% extra
 LEVEL_CYCLE = ["easy"] * 6 + ["medium"] * 5 + ["hard"] * 4 + ["extra"] * 5
@@ -78,11 +78,11 @@ def add_table(conn, name, cols, rows, tables):
     defs = []
     for c in cols:
         typ = SQL_TYPE.get(c["kind"]) or ("INTEGER" if isinstance(next(iter(c["arg"])), int) else "TEXT")
-        defs.append(f'"{c["name"]}" {typ}' + (" PRIMARY KEY" if c["kind"] == "pk" else ""))
+        defs.append(f'`{c["name"]}` {typ}' + (" PRIMARY KEY" if c["kind"] == "pk" else ""))
     for c in cols:
         if c["kind"] == "fk":
             pk = tables[c["arg"]]["cols"][0]["name"]
-            defs.append(f'FOREIGN KEY ("{c["name"]}") REFERENCES {c["arg"]}("{pk}")')
+            defs.append(f'FOREIGN KEY (`{c["name"]}`) REFERENCES {c["arg"]}(`{pk}`)')
     conn.execute(f"CREATE TABLE {name} (\n  " + ",\n  ".join(defs) + "\n)")
     conn.executemany(f"INSERT INTO {name} VALUES ({', '.join('?' * len(cols))})", rows)
 
@@ -126,8 +126,9 @@ def lit(v):  # the same text in question and SQL: strings single-quoted, numbers
     return f"'{v}'" if isinstance(v, str) else str(v)
 
 
-def q(col, alias=None):
-    return f'{alias}."{col["name"]}"' if alias else f'"{col["name"]}"'
+def q(col, alias=None):  # backticks, as in BIRD: unlike "..." they need no escaping inside a JSON tool call,
+    # so a name is the same tokens in the evidence, the schema, the tool call and the answer (easy for a model to copy)
+    return f'{alias}.`{col["name"]}`' if alias else f'`{col["name"]}`'
 
 
 def cols(t, *kinds):
@@ -157,7 +158,7 @@ def filt(rng, db, t, alias=None):  # a categorical filter: (question phrase, SQL
     v = value(rng, db, t, c)
     cond = f"{q(c, alias)} = {lit(v)}"
     if c["kind"] == "code":  # BIRD-style: the question says what the code means, the evidence gives the code
-        return f"that are {c['arg'][v]}", cond, f'{c["arg"][v]} refers to "{c["name"]}" = {lit(v)}'
+        return f"that are {c['arg'][v]}", cond, f'{c["arg"][v]} refers to `{c["name"]}` = {lit(v)}'
     return (c["rel"] or "with {p} {v}").format(p=c["phrase"], v=lit(v)), cond, ""
 
 
