@@ -211,13 +211,13 @@ def plan_turns(example, protocol, schema_mode, rng, distractors=1, max_probes=2,
         turns.append(("explore", pick("schema", tables=" and ".join(tables)), sql, None))
     for t, c, value in filtered[:max_probes]:
         # few distinct values: list them all; many (names): look the question's value up with LIKE
-        n = env.run_sql(db_path, f"SELECT COUNT(DISTINCT {env.quote_ident(c)}) FROM {env.quote_ident(t)}").rows
+        col, table = env.quote_ident(c), env.quote_ident(t)
+        n = env.run_sql(db_path, f"SELECT COUNT(DISTINCT {col}) FROM {table}").rows
         if n and n[0][0] <= 12:
-            sql = f"SELECT DISTINCT {env.quote_ident(c)} FROM {env.quote_ident(t)}"
+            sql = f"SELECT DISTINCT {col} FROM {table}"
         else:
             word = max(re.findall(r"[^\s%_']+", value) or [value], key=len)
-            sql = (f"SELECT DISTINCT {env.quote_ident(c)} FROM {env.quote_ident(t)} WHERE {env.quote_ident(c)} "
-                   f"LIKE {quote_str('%' + word + '%')} LIMIT 10")
+            sql = f"SELECT DISTINCT {col} FROM {table} WHERE {col} LIKE {quote_str('%' + word + '%')} LIMIT 10"
         turns.append(("explore", pick("probe", col=f"{t}.{c}"), sql, None))
     if protocol.startswith("trust"):
         schema = {"tables": tables, "columns": {t: columns[t] for t in tables}, "joins": joins}
