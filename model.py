@@ -120,16 +120,17 @@ _FALLBACK_CORPUS = _CHAT_TEXT + _SQL_TEXT + [
 
 def _db_text(db_path, max_values=200):
     """Table and column names (bare and quoted, as SQL writes them) and distinct cell values, opened read-only."""
+    from env import quote_ident  # the project's one quoting rule: escapes a quote inside a name
     con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     try:
         texts = []
         for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY name"):
-            cols = [row[1] for row in con.execute(f'PRAGMA table_info("{table}")')]
+            cols = [row[1] for row in con.execute(f"PRAGMA table_info({quote_ident(table)})")]
             texts.append(f"CREATE TABLE {table} (" + ", ".join(cols) + ")")
             texts.append(f'FROM "{table}" ' + " ".join(f'"{c}"' for c in cols))
-            for col in cols:
-                rows = con.execute(f'SELECT DISTINCT "{col}" FROM "{table}" WHERE "{col}" IS NOT NULL '
-                                   f'ORDER BY 1 LIMIT {max_values}').fetchall()
+            for col in map(quote_ident, cols):
+                rows = con.execute(f"SELECT DISTINCT {col} FROM {quote_ident(table)} WHERE {col} IS NOT NULL "
+                                   f"ORDER BY 1 LIMIT {max_values}").fetchall()
                 texts.append(" ".join(f"'{value}'" for (value,) in rows))
         return texts
     finally:
