@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env import load_examples, run_many, run_sql
-from rewards import (SCORE_MAX_ROWS, db_schema, extract_schema,  # db_schema: {table: {column: type}}, lower-cased
-                     gold_order_matters, gold_results, is_correct)  # scoring shared with the rewards
+from rewards import (MAX_BARE_JOINS, SCORE_MAX_ROWS, bare_joins, db_schema,  # db_schema: {table: {column: type}}
+                     extract_schema, gold_order_matters, gold_results, is_correct)  # scoring shared with the rewards
 
 ERROR_CLASSES = ("generation", "syntax", "hallucination", "schema_linking", "semantic")
 DIFFICULTY_ORDER = ("easy", "medium", "hard", "extra", "simple", "moderate", "challenging")
@@ -71,8 +71,11 @@ def majority_vote(results: list) -> int | None:
 # scoring: predictions in one run_many batch (gold results, ORDER BY rule and correctness live in rewards.py)
 
 def parse_query(sql: str):
-    """The single query in sql as a sqlglot tree, or None when it does not parse as exactly one query."""
+    """The single query in sql as a sqlglot tree, or None when it does not parse as exactly one query (or has more
+    JOINs without ON/USING than sqlglot parses in reasonable time: rewards.bare_joins)."""
     try:
+        if bare_joins(sql) > MAX_BARE_JOINS:
+            return None
         trees = [t for t in sqlglot.parse(sql, read="sqlite") if t is not None]
     except (sqlglot.errors.SqlglotError, RecursionError, ValueError):  # model output is untrusted
         return None
@@ -163,7 +166,7 @@ def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple
         return "generation", "no final SQL"
     tree = parse_query(final_sql)
     if tree is None:
-        return "syntax", "does not parse as a single SQL query"
+        return "syntax", f"does not parse as a single SQL query (or has over {MAX_BARE_JOINS} JOINs without ON/USING)"
     missing = unknown_names(tree, example["db_path"])
     if missing:
         return "hallucination", ", ".join(missing)

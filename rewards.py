@@ -52,8 +52,32 @@ def _qualify_schema(db_path: str) -> MappingSchema:
     return MappingSchema(db_schema(db_path), dialect="sqlite")
 
 
+MAX_BARE_JOINS = 8
+
+
+def bare_joins(sql: str) -> int:
+    """JOINs with no ON/USING of their own before the next JOIN at their level. sqlglot tries each such JOIN as the
+    start of a nested join (a JOIN b JOIN c ON .. ON ..) and backtracks, so its parse time doubles with every one:
+    a model's 19-JOIN loop took 11 s to parse, and 30 would take hours. Linear: tokens only."""
+    depth, pending, bare = 0, {}, 0  # pending[d]: the last JOIN at paren depth d still lacks its ON/USING
+    for kind in (t.token_type for t in sqlglot.tokenize(sql, read="sqlite")):
+        if kind == TokenType.L_PAREN:
+            depth += 1
+        elif kind == TokenType.R_PAREN:
+            bare += pending.pop(depth, False)
+            depth -= 1
+        elif kind == TokenType.JOIN:
+            bare += pending.get(depth, False)
+            pending[depth] = True
+        elif kind in (TokenType.ON, TokenType.USING):
+            pending[depth] = False
+    return bare + sum(pending.values())
+
+
 @functools.lru_cache(maxsize=65536)
 def _extract_schema(sql: str, db_path: str) -> tuple[frozenset, frozenset]:
+    if bare_joins(sql) > MAX_BARE_JOINS:  # model output: refuse what sqlglot would take hours to parse
+        raise ValueError(f"more than {MAX_BARE_JOINS} JOINs without ON/USING: too costly to parse")
     tree = sqlglot.parse_one(sql, read="sqlite")
     known = {c for cols in db_schema(db_path).values() for c in cols}
     for col in list(tree.find_all(exp.Column)):

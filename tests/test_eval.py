@@ -110,6 +110,9 @@ def concert_db(tmp_path_factory):
     ("SELECT name FROM singer WHERE age > 30", None, "generation", "no final SQL"),
     ("SELECT name FROM singer WHERE age > 30", "  ", "generation", "no final SQL"),
     ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE", "syntax", "parse"),
+    # a JOIN loop of the tiny model's: sqlglot would take hours to parse it (rewards.bare_joins)
+    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer" + " JOIN concert AS T1" * 30, "syntax",
+     "JOINs without ON/USING"),
     ("SELECT name FROM singer WHERE age > 30", "SELECT nosuchfunc(name) FROM singer", "syntax", "nosuchfunc"),
     ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singers", "hallucination", "table singers"),
     ("SELECT name FROM singer WHERE age > 30", "SELECT nationality FROM singer", "hallucination", "nationality"),

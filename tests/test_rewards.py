@@ -165,6 +165,33 @@ def test_extract_schema_bad_input(quirky_db, tmp_path):
     assert rewards.safe_schema_items("SELECT FROM WHERE (", quirky_db) == set()
 
 
+# a loop the tiny model really wrote (gym test, seed 2's SFT checkpoint), 19 JOINs long: sqlglot took 11 s to parse
+# it, doubling with each JOIN that has no ON/USING of its own, so 30 would take hours
+JOIN_LOOP = "SELECT COUNT(*) FROM flights AS T1" + " JOIN members AS T1" * 30 + " JOIN members AS T2 ON T1.x = T2.x"
+
+
+@pytest.mark.parametrize("sql, bare", [
+    ("SELECT * FROM frpm AS a JOIN schools AS b ON a.CDSCode = b.CDSCode JOIN frpm AS c USING (CDSCode)", 0),
+    ("SELECT * FROM frpm JOIN schools JOIN frpm AS c ON c.x = schools.x ON frpm.x = schools.x", 1),  # nested join
+    ("SELECT * FROM frpm JOIN schools JOIN frpm AS f WHERE frpm.x = schools.x", 2),
+    ("SELECT * FROM frpm JOIN (SELECT * FROM schools JOIN frpm) AS s ON s.x = frpm.x", 1),  # the inner one
+    ("SELECT `Charter School (Y/N)` FROM frpm JOIN schools", 1),  # a ( in a quoted name is no parenthesis
+    ("SELECT * FROM frpm" + " JOIN schools AS s ON s.x = frpm.x" * 8 + " JOIN schools" * 16, 16),
+    (JOIN_LOOP, 30),
+])
+def test_bare_joins_counts_joins_without_their_own_condition(sql, bare):
+    assert rewards.bare_joins(sql) == bare
+
+
+def test_a_join_loop_from_the_model_is_refused_not_parsed_for_hours(quirky_db):
+    assert rewards.safe_schema_items(JOIN_LOOP, quirky_db) == set()
+    with pytest.raises(ValueError, match="JOINs without ON/USING"):
+        extract_schema(JOIN_LOOP, quirky_db)
+    # up to the limit, a bare join chain is still read (SQLite runs it as a cross join)
+    eight = "SELECT * FROM frpm" + " JOIN schools" * rewards.MAX_BARE_JOINS
+    assert extract_schema(eight, quirky_db)["tables"] == {"frpm", "schools"}
+
+
 def _spider_gold(sql, t):
     """Tables and "table.column"s in Spider's own parse (column id 0 = "*" is excluded, as in extract_schema)."""
     tables, cols = set(), set()
