@@ -73,9 +73,9 @@ def majority_vote(results: list) -> int | None:
 def parse_query(sql: str):
     """The single query in sql as a sqlglot tree, or None when it does not parse as exactly one query (or has more
     JOINs without ON/USING than sqlglot parses in reasonable time: rewards.bare_joins)."""
+    if bare_joins(sql) > MAX_BARE_JOINS:
+        return None
     try:
-        if bare_joins(sql) > MAX_BARE_JOINS:
-            return None
         trees = [t for t in sqlglot.parse(sql, read="sqlite") if t is not None]
     except (sqlglot.errors.SqlglotError, RecursionError, ValueError):  # model output is untrusted
         return None
@@ -166,7 +166,9 @@ def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple
         return "generation", "no final SQL"
     tree = parse_query(final_sql)
     if tree is None:
-        return "syntax", f"does not parse as a single SQL query (or has over {MAX_BARE_JOINS} JOINs without ON/USING)"
+        if bare_joins(final_sql) > MAX_BARE_JOINS:
+            return "syntax", f"more than {MAX_BARE_JOINS} JOINs without ON/USING: too costly to parse"
+        return "syntax", "does not parse as a single SQL query"
     missing = unknown_names(tree, example["db_path"])
     if missing:
         return "hallucination", ", ".join(missing)

@@ -58,9 +58,14 @@ MAX_BARE_JOINS = 8
 def bare_joins(sql: str) -> int:
     """JOINs with no ON/USING of their own before the next JOIN at their level. sqlglot tries each such JOIN as the
     start of a nested join (a JOIN b JOIN c ON .. ON ..) and backtracks, so its parse time doubles with every one:
-    a model's 19-JOIN loop took 11 s to parse, and 30 would take hours. Linear: tokens only."""
+    a model's 19-JOIN loop took 11 s to parse, and 30 would take hours. Linear: tokens only. 0 for SQL that does
+    not even tokenize (an unclosed quote): the parser then fails on it at once."""
+    try:
+        tokens = sqlglot.tokenize(sql, read="sqlite")
+    except SqlglotError:
+        return 0
     depth, pending, bare = 0, {}, 0  # pending[d]: the last JOIN at paren depth d still lacks its ON/USING
-    for kind in (t.token_type for t in sqlglot.tokenize(sql, read="sqlite")):
+    for kind in (t.token_type for t in tokens):
         if kind == TokenType.L_PAREN:
             depth += 1
         elif kind == TokenType.R_PAREN:

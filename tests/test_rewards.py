@@ -178,6 +178,7 @@ JOIN_LOOP = "SELECT COUNT(*) FROM flights AS T1" + " JOIN members AS T1" * 30 + 
     ("SELECT `Charter School (Y/N)` FROM frpm JOIN schools", 1),  # a ( in a quoted name is no parenthesis
     ("SELECT * FROM frpm" + " JOIN schools AS s ON s.x = frpm.x" * 8 + " JOIN schools" * 16, 16),
     (JOIN_LOOP, 30),
+    ("SELECT * FROM frpm JOIN schools WHERE x = 'unclosed", 0),  # no tokens: sqlglot's parser fails on it at once
 ])
 def test_bare_joins_counts_joins_without_their_own_condition(sql, bare):
     assert rewards.bare_joins(sql) == bare
