@@ -23,7 +23,7 @@ from sqlglot.errors import OptimizeError, SqlglotError
 from sqlglot.optimizer.qualify import qualify
 from sqlglot.optimizer.scope import traverse_scope
 from sqlglot.schema import MappingSchema
-from sqlglot.tokens import Tokenizer, TokenType
+from sqlglot.tokens import TokenType
 
 from env import quote_ident, results_match, run_many, run_sql
 
@@ -273,8 +273,11 @@ def format_mtir(episode) -> float:
 # similarity shaping (SQL-Trail A.4) and the turn budget reward
 
 def sql_tokens(sql: str) -> list[str]:
-    """SQL tokens via sqlglot's tokenizer; keywords/identifiers lower-cased, string literals kept as written."""
-    return [t.text if t.token_type == TokenType.STRING else t.text.lower() for t in Tokenizer().tokenize(sql)]
+    """SQL tokens via sqlglot's SQLite tokenizer; keywords/identifiers lower-cased, string literals kept as written.
+    SQLite's, so that a `quoted name` (BIRD, the gym) is one token, as "name" and [name] are: the generic tokenizer
+    splits `School Name` into `, school, name, `, and the name then half-matches `School City`."""
+    return [t.text if t.token_type == TokenType.STRING else t.text.lower()
+            for t in sqlglot.tokenize(sql, read="sqlite")]
 
 
 def bigram_jaccard(pred_sql: str | None, gold_sql: str) -> float:

@@ -27,6 +27,12 @@ def test_bigram_ignores_whitespace_and_keyword_case_but_not_literals():
     assert bigram_jaccard(None, "SELECT 1") == 0.0 and bigram_jaccard("SELECT 'unclosed", "SELECT 1") == 0.0
 
 
+def test_bigram_reads_a_quoted_name_as_one_token():
+    # the paper's example with BIRD-style names: one name differs, so 1 of the 5 bigrams is shared, as with bare names
+    assert bigram_jaccard("SELECT `School Name` FROM schools", "SELECT `School City` FROM schools") == 0.2
+    assert bigram_jaccard('SELECT "School Name" FROM [schools]', "SELECT `school name` FROM schools") == 1.0
+
+
 def test_schema_jaccard_paper_example():
     assert schema_jaccard({"employees", "wages"}, {"employees", "salary"}) == pytest.approx(1 / 3)
     assert schema_jaccard(set(), set()) == 0.0
