@@ -5,7 +5,7 @@ majority voting (maj@K, as OmniSQL does), unbiased pass@k, a per-difficulty tabl
 Writes out/eval/<name>/predictions.jsonl and summary.json and prints markdown tables.
 
     python eval.py --model tiny --limit 20 --samples 4 --max-turns 3          # gym dev split, untrained tiny model
-    python eval.py --model out/demo-seed0/ckpt-000920 --samples 8   # a train.py checkpoint: its own protocol
+    python eval.py --model out/demo-seed0/ckpt-001820 --samples 8   # a train.py checkpoint: its own protocol
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --scoring spider --samples 8
     python eval.py --model Qwen/Qwen3-4B --data data/bird/dev.jsonl --bird-predictions out/predict_dev.json
     python eval.py --gold-as-prediction --data data/spider/dev.jsonl --scoring spider   # scorer self-check
