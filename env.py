@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sqlite3
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -28,11 +29,31 @@ from typing import Callable
 TIMEOUT_S = 5.0
 MAX_SQL_CHARS = 100_000         # longer SQL is refused before SQLite sees it
 MAX_VALUE_BYTES = 1_000_000     # SQLITE_LIMIT_LENGTH: any string/blob/row; randomblob(1e9) fails cleanly
+MAX_LIKE_PATTERN = 40           # SQLITE_LIMIT_LIKE_PATTERN_LENGTH, bytes (see "one SQLite step" below)
 MAX_EXPR_DEPTH = 200            # SQLITE_LIMIT_EXPR_DEPTH (SQLite's default is 1000)
 MAX_RESULT_BYTES = 32_000_000   # text/blob bytes fetched per result before it is cut (and marked truncated)
-PROGRESS_OPS = 20_000           # VM instructions between deadline checks (~0.1-1 ms of work)
+MAX_ERROR_CHARS = 500           # errors are cut here: one naming a 90,000-character table is that long
+LIMITS = ((sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES), (sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS * 4),
+          (sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_LIKE_PATTERN),
+          (sqlite3.SQLITE_LIMIT_EXPR_DEPTH, MAX_EXPR_DEPTH), (sqlite3.SQLITE_LIMIT_ATTACHED, 0))  # 0: no VACUUM INTO
 READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
                 "foreign_key_list"}  # metadata only; database_list is left out because it shows the file path
+# From `pragma function_list` / `module_list` of the SQLite we ship: fts3_tokenizer returns a library address and
+# takes a pointer (ENABLE_FTS3_TOKENIZER), fts5() hands out an API pointer, rtreenode/rtreedepth decode raw blobs,
+# sqlite_log writes to the process log, dbstat/sqlite_stmt show file pages and engine internals. No agent needs them.
+# (readfile/writefile/edit and sqlite_dbpage are not compiled in.)
+DENIED_FUNCTIONS = {"load_extension", "fts3_tokenizer", "fts5", "rtreenode", "rtreedepth", "sqlite_log"}
+DENIED_TABLES = {"dbstat", "sqlite_stmt"}
+# One SQLite step: neither the deadline nor interrupt() stops work inside a function call (instr() of two 1 MB strings
+# ran 4.6 s after an interrupt at 0.3 s), so each call is bounded. LIKE costs ~1.5 ns x len(value) x len(pattern):
+# the pattern limit holds a call on a 1 MB value near 60 ms. These cost len(arg1) x len(arg2) (GLOB's [...] 2.3 ns a
+# step, hence here) and get a guard that refuses a call over its budget, ~50 ms by measurement (instr/replace 0.02 ns
+# per byte pair, up to 16 per character pair; trim 1.6 ns; json_patch 3 ns per key pair), else runs SQLite's own.
+# Before: instr/replace of 1 MB by 0.5 MB 4.7-4.9 s, trim() by an 80k-character set >30 s, json_patch of 50k keys 9 s.
+# Guards are installed only for a query whose text names one (always: 10% slower queries); views in the database
+# may call these functions too, but only on its own values (views do not see the query's CTEs).
+GUARDED = {"instr": (2, 1.5e8), "replace": (3, 1.5e8), "glob": (2, 2e7), "trim": (2, 2e7), "ltrim": (2, 2e7),
+           "rtrim": (2, 2e7), "json_patch": (2, 3e8)}
 FIRST_WORDS = ("SELECT", "WITH", "VALUES", "PRAGMA", "EXPLAIN")
 # The first word after whitespace and comments. Linear time on hostile input: the group can match empty, so the
 # regex never fails and never backtracks; an unclosed /* comment runs to the end.
@@ -54,57 +75,121 @@ class SQLResult:
     elapsed_s: float
 
 
-def _authorizer(denied):
-    # Second wall after mode=ro: reads only. `denied` collects what was refused, to name it in the error.
+def _authorizer(reasons):
+    # Second wall after mode=ro: reads only. `reasons` collects the refusal, to name it in the error.
     def auth(action, arg1, arg2, db_name, source):
-        if action in ALLOWED:
+        if action in ALLOWED and (action != sqlite3.SQLITE_READ or arg1.lower() not in DENIED_TABLES):
             return sqlite3.SQLITE_OK
-        if action == sqlite3.SQLITE_FUNCTION and arg2 != "load_extension":
+        if action == sqlite3.SQLITE_FUNCTION and arg2 not in DENIED_FUNCTIONS:
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_PRAGMA and arg1 in READ_PRAGMAS:
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_UPDATE and arg1 == "sqlite_master":
             return sqlite3.SQLITE_IGNORE  # SQLite asks this when a pragma_* table first loads; IGNORE = never write
-        denied.append(f"PRAGMA {arg1}" if action == sqlite3.SQLITE_PRAGMA else
-                      f"{arg2}()" if action == sqlite3.SQLITE_FUNCTION else _ACTION_NAMES.get(action, "this statement"))
+        what = {sqlite3.SQLITE_PRAGMA: f"PRAGMA {arg1}", sqlite3.SQLITE_FUNCTION: f"{arg2}()",
+                sqlite3.SQLITE_READ: arg1}.get(action) or _ACTION_NAMES.get(action, "this statement")
+        reasons.append(f"not authorized: {what} (the database is read-only; only SELECT, WITH and metadata PRAGMAs "
+                       f"such as table_info are allowed)")
         return sqlite3.SQLITE_DENY
     return auth
 
 
+def _guard(name, nargs, budget, reasons):
+    sql = f"SELECT {name}({', '.join('?' * nargs)})"
+
+    def guarded(*args):
+        a, b = (len(v) if isinstance(v, (str, bytes)) else 24 for v in args[:2])
+        if a * b > budget:
+            reasons.append(f"{name}() on values this long ({a:,} and {b:,} characters) takes too long; shorten one")
+            raise ValueError(name)
+        conn = getattr(_local, "conn", None)  # SQLite's own function, on this thread's private in-memory db
+        if conn is None:
+            conn = _local.conn = sqlite3.connect(":memory:")
+            conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+            conn.text_factory = lambda b: b.decode("utf-8", "replace")  # replace(CAST(x AS BLOB), ..) is any bytes
+        try:
+            return conn.execute(sql, args).fetchone()[0]
+        except sqlite3.Error as e:  # e.g. "string or blob too big": SQLite's own words, as without the guard
+            reasons.append(str(e))
+            raise
+    return guarded
+
+# --- the watchdog: one thread interrupts each connection at its deadline. SQLite checks for an interrupt at every
+# row, so a heavy function on every row stops within one call; the progress handler this replaces ran every 20,000
+# VM steps (randomblob(1e6) per row: 1.7 s late). A threading.Timer per query cost ~1.5 ms; this, a dict entry.
+
+
+def _watch_init():  # also in a forked child, which has no watchdog thread and may hold a copy of a taken lock
+    global _watched, _watch_lock, _watch_wake, _watch_thread, _watch_next, _local
+    _watched, _watch_lock, _watch_wake, _watch_thread = {}, threading.Lock(), threading.Event(), None
+    _watch_next, _local = float("inf"), threading.local()
+
+
+_watch_init()
+os.register_at_fork(after_in_child=_watch_init)
+
+
+def _watchdog():
+    global _watch_next
+    while True:
+        with _watch_lock:
+            now = time.monotonic()
+            for conn, (deadline, timed_out) in list(_watched.items()):
+                if now >= deadline:  # under the lock: _open unwatches before close, so conn is still open
+                    timed_out.append(True)
+                    conn.interrupt()
+                    del _watched[conn]
+            _watch_next = min([d for d, _ in _watched.values()] + [now + 60.0])  # inf would overflow wait()
+            _watch_wake.clear()
+        _watch_wake.wait(_watch_next - now)
+
+
+def _watch(conn, deadline, timed_out):
+    global _watch_thread, _watch_next
+    with _watch_lock:
+        if _watch_thread is None:
+            _watch_thread = threading.Thread(target=_watchdog, name="sqlrl-sql-watchdog", daemon=True)
+            _watch_thread.start()
+        _watched[conn] = (deadline, timed_out)
+        # it sleeps until _watch_next: only an earlier deadline wakes it (waking it per query cost 20% throughput)
+        wake, _watch_next = deadline < _watch_next, min(deadline, _watch_next)
+    if wake:
+        _watch_wake.set()
+
+
 @contextmanager
-def _open(db_path, deadline, denied, timed_out):
+def _open(db_path, deadline, reasons, timed_out, guard=False):
     """A read-only, locked-down connection, always closed on exit (an unclosed one is how temp files pile up).
     mode=ro refuses writes; immutable=1 also skips locking and never creates -journal/-wal/-shm files (datasets are
-    static). Only a db with a -wal file beside it is opened without immutable, so SQLite reads the pages in its WAL."""
+    static). Only a db with a -wal file beside it is opened without immutable, so SQLite reads the pages in its WAL;
+    then readonly_shm=1 keeps SQLite from creating a -shm beside an orphaned -wal (it fails to open instead), and the
+    busy timeout (Python's default: 5 s) ends any wait for another process's lock at the deadline."""
     path = os.path.abspath(os.fspath(db_path))
-    immutable = "" if os.path.exists(path + "-wal") else "&immutable=1"
+    flags = "&readonly_shm=1" if os.path.exists(path + "-wal") else "&immutable=1"
     try:
-        conn = sqlite3.connect(f"{_uri(path)}?mode=ro{immutable}", uri=True, isolation_level=None)
+        conn = sqlite3.connect(f"{_uri(path)}?mode=ro{flags}", uri=True, isolation_level=None,
+                               timeout=min(max(deadline - time.monotonic(), 0.0), 1e6))
     except sqlite3.OperationalError:
         if not os.path.isfile(path):
             raise FileNotFoundError("database file not found") from None
         raise
     try:
+        _watch(conn, deadline, timed_out)
         # Big sorts spill to SQLite temp files, which are unlinked the moment they are opened (never left behind,
         # freed on close). temp_store=MEMORY would keep a runaway ORDER BY's every row in RAM instead: measured
         # 458 MB after 5 s and 0.6 s past the deadline just to free it, vs 13 MB and 0.06 s with files.
         conn.execute("PRAGMA temp_store = FILE")
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS * 4)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_EXPR_DEPTH, MAX_EXPR_DEPTH)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)  # no ATTACH, hence no VACUUM INTO either
+        for limit, value in LIMITS:
+            conn.setlimit(limit, value)
         if hasattr(conn, "enable_load_extension"):
             conn.enable_load_extension(False)
-        conn.set_authorizer(_authorizer(denied))
-
-        def progress():  # called by SQLite in whatever thread runs the query: works from any worker thread
-            if time.monotonic() > deadline:
-                timed_out.append(True)
-                return 1  # non-zero interrupts the statement
-            return 0
-        conn.set_progress_handler(progress, PROGRESS_OPS)
+        for name, (nargs, budget) in GUARDED.items() if guard else ():
+            conn.create_function(name, nargs, _guard(name, nargs, budget, reasons), deterministic=True)
+        conn.set_authorizer(_authorizer(reasons))
         yield conn
     finally:
+        with _watch_lock:
+            _watched.pop(conn, None)
         conn.close()
 
 
@@ -144,13 +229,17 @@ def _refusal(sql):
 
 
 def run_sql(db_path, sql, timeout_s=TIMEOUT_S, max_rows=10_000) -> SQLResult:
-    """Run one read-only statement. Never raises: every failure comes back in .error, without file paths."""
+    """Run one read-only statement within timeout_s + 0.2 s. Never raises: every failure comes back in .error
+    (at most MAX_ERROR_CHARS, without file paths)."""
     t0 = time.monotonic()
-    error, denied, timed_out = _refusal(sql), [], []
+    error, reasons, timed_out = _refusal(sql), [], []
     columns, rows, truncated = [], [], False
     try:
         if error is None:
-            with _open(db_path, t0 + float(timeout_s), denied, timed_out) as conn:
+            if not float(timeout_s) >= 0:  # NaN would never time out
+                raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+            guard = any(map(sql.lower().__contains__, GUARDED))
+            with _open(db_path, t0 + float(timeout_s), reasons, timed_out, guard) as conn:
                 try:
                     columns, rows, truncated = _fetch(conn, sql, int(max_rows))
                 except sqlite3.OperationalError as e:
@@ -161,12 +250,17 @@ def run_sql(db_path, sql, timeout_s=TIMEOUT_S, max_rows=10_000) -> SQLResult:
                     columns, rows, truncated = _fetch(conn, sql, int(max_rows))
     except Exception as e:  # noqa: BLE001 - untrusted SQL: anything that goes wrong becomes the agent's error text
         columns, rows, truncated = [], [], False
-        error = (f"query timed out after {float(timeout_s)!r} s" if timed_out else
-                 f"not authorized: {denied[0]} (the database is read-only; only SELECT, WITH and metadata PRAGMAs "
-                 f"such as table_info are allowed)" if denied else
+        error = (f"query timed out after {float(timeout_s)!r} s" if timed_out else reasons[0] if reasons else
                  "the query is not valid UTF-8 text" if isinstance(e, UnicodeEncodeError) else
-                 "out of memory: the result is too large" if isinstance(e, MemoryError) else _clean_error(e, db_path))
-    return SQLResult(columns, rows, error, truncated, time.monotonic() - t0)  # elapsed includes closing
+                 "out of memory: the result is too large" if isinstance(e, MemoryError) else
+                 f"{'/'.join(GUARDED)} got text that is not valid UTF-8 (CAST it AS BLOB first)"
+                 if "user-defined function" in str(e) else _clean_error(e, db_path))
+    return SQLResult(columns, rows, error and _cap(error, MAX_ERROR_CHARS), truncated,
+                     time.monotonic() - t0)  # elapsed includes closing
+
+
+def _cap(text, n):  # every text the agent sees is bounded, whatever produced it
+    return text if len(text) <= n else f"{text[:n]}... ({len(text) - n:,} more characters)"
 
 
 def _clean_error(e, db_path):
@@ -257,6 +351,7 @@ def results_match(pred_rows, gold_rows, mode="bird", order_matters=False) -> boo
 # what the agent sees
 
 MAX_CELL_CHARS = 200
+MAX_OBS_CHARS = 6000  # any observation step() returns, before its turns note
 
 
 def _cell(v):
@@ -270,8 +365,8 @@ def _cell(v):
 
 def format_observation(result, max_rows=30, max_chars=4000) -> str:
     """Header row of column names, then one ' | '-separated line per row. Truncation is always spelled out."""
-    if result.error is not None:
-        return f"Error: {result.error}"
+    if result.error is not None:  # capped again here: a result may come from elsewhere than run_sql
+        return _cap(f"Error: {result.error}", max_chars)
     lines = [" | ".join(map(str, result.columns))[:max_chars]]
     if not result.rows:
         return lines[0] + "\n(0 rows)"
@@ -822,7 +917,8 @@ def step(episode, turn_text, result: SQLResult | None = None):
     episode.actions.append(action)
     episode.turn_valid.append(action.valid)
     error = None  # carried-out turns that fail the format check still say why
-    warning = f"Format problem: {action.feedback}.\n" if not action.valid and action.name != "invalid" else ""
+    reason = _cap(str(action.feedback), MAX_ERROR_CHARS)  # the parsers may echo the agent's own text
+    warning = f"Format problem: {reason}.\n" if not action.valid and action.name != "invalid" else ""
     if action.name == proto.answer_action:
         episode.final_sql, episode.done, episode.stop_reason = action.sql, True, "answer"
     elif _runs_sql(action):
@@ -837,7 +933,7 @@ def step(episode, turn_text, result: SQLResult | None = None):
                f"{len(action.schema['joins'])} joins. Continue with generate_sql, or explore_schema if anything is "
                f"missing.")
     else:
-        obs = _feedback(proto.name, action.feedback)
+        obs = _feedback(proto.name, reason)
     episode.exec_errors.append(error)
     turns_left = episode.max_turns - len(episode.actions)
     if not episode.done and turns_left <= 0:
@@ -845,7 +941,7 @@ def step(episode, turn_text, result: SQLResult | None = None):
     if episode.done:
         return None, True
     echo = f"\nQuestion: {episode.example['question']}" if proto.echo_question else ""
-    return proto.wrap_observation(obs + echo, turns_left), False
+    return proto.wrap_observation(_cap(obs, MAX_OBS_CHARS) + echo, turns_left), False
 
 # -----------------------------------------------------------------------------
 

@@ -2,11 +2,20 @@
 Evaluate a text-to-SQL agent the way the papers report it: greedy execution accuracy (EX), execution-consensus
 majority voting (maj@K, as OmniSQL does), unbiased pass@k, a per-difficulty table, TRUST-SQL's cost table
 (Table 10: latency, output tokens, turns, tool calls) and an automatic version of TRUST-SQL's error taxonomy (§3.1).
-Writes out/eval/<name>/predictions.jsonl and summary.json and prints markdown tables.
+Writes out/eval/<model>-<protocol>-<schema mode>-<data folder>-<split>/predictions.jsonl and summary.json (for Spider
+scorings also the test-suite evaluator's pred.txt and gold.txt) and prints markdown tables.
+
+Scoring (--scoring): bird = BIRD's set equality, plus its VES and R-VES (--ves-runs timed runs per correct answer);
+spider = the official test-suite evaluator's verdicts (DISTINCT removed, order compared iff the gold text says
+"order by", its `value` placeholder); spider-strict = DISTINCT kept, order only for an outermost ORDER BY.
+--spider-ts-dir: the test-suite databases; a prediction is then correct only if it matches on each. The official
+scorers' own conventions (query rewriting, VES timing, their files) live in data/spider/prepare.py and
+data/bird/prepare.py.
 
     python eval.py --model tiny --limit 20 --samples 4 --max-turns 3          # gym dev split, untrained tiny model
     python eval.py --model out/demo-seed0/ckpt-001820 --samples 8   # a train.py checkpoint: its own protocol
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --scoring spider --samples 8
+    python eval.py --model out/ckpt --data data/spider/dev.jsonl --spider-ts-dir ~/test-suite-database  # TS accuracy
     python eval.py --model Qwen/Qwen3-4B --data data/bird/dev.jsonl --bird-predictions out/predict_dev.json
     python eval.py --gold-as-prediction --data data/spider/dev.jsonl --scoring spider   # scorer self-check
 """
@@ -27,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from env import load_examples, run_many, run_sql
 from rewards import (MAX_BARE_JOINS, SCORE_MAX_ROWS, bare_joins, db_schema,  # db_schema: {table: {column: type}}
                      extract_schema, gold_order_matters, gold_results, is_correct)  # scoring shared with the rewards
+from data.spider.prepare import spider_hardness, spider_sql, ts_databases, write_spider_files  # test-suite rules
+from data.bird.prepare import bird_ves, machine, write_bird_predictions  # BIRD's VES and prediction file
 
 ERROR_CLASSES = ("generation", "syntax", "hallucination", "schema_linking", "semantic")
 DIFFICULTY_ORDER = ("easy", "medium", "hard", "extra", "simple", "moderate", "challenging")
@@ -68,7 +79,68 @@ def majority_vote(results: list) -> int | None:
 
 
 # -----------------------------------------------------------------------------
-# scoring: predictions in one run_many batch (gold results, ORDER BY rule and correctness live in rewards.py)
+# scoring. bird: BIRD's evaluation.py, set(pred rows) == set(gold rows). spider: the official test-suite evaluator
+# (taoyds/test-suite-sql-eval, exec_eval.eval_exec_match, defaults) verdict for verdict, which papers report: both
+# queries rewritten as it rewrites them (data/spider/prepare.py: spider_sql), bags of rows up to a column permutation,
+# row order compared iff "order by" is in the gold text (a subquery's too). spider-strict: the same on the queries as
+# written: DISTINCT kept (officially `SELECT country` answers `SELECT DISTINCT country`) and order only for an
+# outermost ORDER BY (the rule of the training rewards). With ts_dir (test-suite databases, a folder per db_id) a
+# prediction must match on each.
+
+SCORINGS = ("bird", "spider", "spider-strict")
+
+
+def execute_predictions(examples: list[dict], sqls: list, timeout_s: float = 30.0, workers: int = 4) -> list:
+    """Run each example's predicted SQL (None stays None) in one run_many batch."""
+    jobs = [(ex["db_path"], sql) for ex, sql in zip(examples, sqls) if sql]
+    results = iter(run_many(jobs, workers=workers, timeout_s=timeout_s, max_rows=SCORE_MAX_ROWS)) if jobs else iter(())
+    return [next(results) if sql else None for sql in sqls]
+
+
+def score(examples: list[dict], sqls: list, scoring="bird", timeout_s=30.0, workers=4, ts_dir=None) -> tuple:
+    """(correct, pred results, gold results) of one predicted SQL per example (None = none); the results are those
+    on the example's first database, for majority voting and the error taxonomy."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    jobs, preds, firsts = [], [], []  # one job per (example, database)
+    for ex, sql in zip(examples, sqls):
+        gold, pred, order = ex["gold_sql"], sql, scoring == "spider-strict" and gold_order_matters(ex["gold_sql"])
+        if scoring == "spider":
+            gold, pred = spider_sql(gold, pred=False), sql and spider_sql(sql, pred=True)
+            order = "order by" in gold.lower()
+        dbs = ts_databases(ex, ts_dir)
+        if not dbs:
+            raise ValueError(f"no .sqlite file for {ex['db_id']} in {ts_dir}")
+        firsts.append(len(jobs))
+        jobs += [dict(ex, db_path=db, gold_sql=gold, order=order) for db in dbs]
+        preds += [pred] * len(dbs)
+    golds, results = gold_results(jobs, timeout_s, workers), execute_predictions(jobs, preds, timeout_s, workers)
+    mode = "bird" if scoring == "bird" else "spider"  # env.results_match: sets, or bags up to a column permutation
+    ok = [is_correct(r, g, mode, job["order"]) for r, g, job in zip(results, golds, jobs)]
+    return ([all(ok[a:b]) for a, b in zip(firsts, firsts[1:] + [len(jobs)])], [results[i] for i in firsts],
+            [golds[i] for i in firsts])
+
+
+def score_sqls(examples: list[dict], sqls: list, scoring="bird", timeout_s=30.0, workers=4, ts_dir=None) -> list:
+    """Correctness of one predicted SQL per example (the self-check passes the gold SQL here)."""
+    return score(examples, sqls, scoring, timeout_s, workers, ts_dir)[0]
+
+
+def difficulty_of(example: dict) -> str:
+    if example.get("difficulty"):
+        return example["difficulty"]
+    if example.get("source") == "spider":  # Spider's hardness is a function of the gold SQL
+        return spider_hardness(example["gold_sql"])
+    return "unknown"
+
+
+# -----------------------------------------------------------------------------
+# error taxonomy (TRUST-SQL §3.1), one label per failure, checked in this order:
+#   generation: no final SQL; syntax: does not parse as one query; hallucination: names a table or column the
+#   database lacks; syntax: parses but fails to run (incl. timeouts); schema_linking: runs, but touches other
+#   tables/columns than gold; semantic: right schema, wrong result.
+# Hallucination is checked before execution because SQLite reports an unknown name as a run error.
+
 
 def parse_query(sql: str):
     """The single query in sql as a sqlglot tree, or None when it does not parse as exactly one query (or has more
@@ -82,39 +154,6 @@ def parse_query(sql: str):
     if len(trees) != 1 or not isinstance(trees[0], exp.Query):
         return None  # sqlglot happily parses "SELEC * FRM t" as an arithmetic expression
     return trees[0]
-
-
-def execute_predictions(examples: list[dict], sqls: list, timeout_s: float = 30.0, workers: int = 4) -> list:
-    """Run each example's predicted SQL (None stays None) in one run_many batch."""
-    jobs = [(ex["db_path"], sql) for ex, sql in zip(examples, sqls) if sql]
-    results = iter(run_many(jobs, workers=workers, timeout_s=timeout_s, max_rows=SCORE_MAX_ROWS)) if jobs else iter(())
-    return [next(results) if sql else None for sql in sqls]
-
-
-def score_sqls(examples: list[dict], sqls: list, scoring: str = "bird", timeout_s: float = 30.0,
-               workers: int = 4) -> list[bool]:
-    """Correctness of one predicted SQL per example (the self-check passes the gold SQL here)."""
-    golds = gold_results(examples, timeout_s, workers)
-    preds = execute_predictions(examples, sqls, timeout_s, workers)
-    return [is_correct(p, g, scoring, gold_order_matters(ex["gold_sql"]))
-            for ex, p, g in zip(examples, preds, golds)]
-
-
-def difficulty_of(example: dict) -> str:
-    if example.get("difficulty"):
-        return example["difficulty"]
-    if example.get("source") == "spider":  # Spider's hardness is a function of the gold SQL
-        from data.spider.prepare import spider_hardness
-        return spider_hardness(example["gold_sql"])
-    return "unknown"
-
-
-# -----------------------------------------------------------------------------
-# error taxonomy (TRUST-SQL §3.1), one label per failure, checked in this order:
-#   generation: no final SQL; syntax: does not parse as one query; hallucination: names a table or column the
-#   database lacks; syntax: parses but fails to run (incl. timeouts); schema_linking: runs, but touches other
-#   tables/columns than gold; semantic: right schema, wrong result.
-# Hallucination is checked before execution because SQLite reports an unknown name as a run error.
 
 
 def unknown_names(tree, db_path: str) -> list[str]:
@@ -223,34 +262,34 @@ def traj_record(t, correct: bool, text: str | None = None) -> dict:
 
 def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none", max_turns=15, samples=1,
              temperature=0.8, scoring="bird", batch_size=16, seed=0, max_new_tokens=1024, max_total_tokens=16384,
-             top_p=1.0, exec_timeout_s=30.0, workers=4, out_dir=None, name="eval") -> dict:
-    """Greedy EX always; maj@K and pass@k when samples > 1. Returns the summary dict; with out_dir, also writes
-    predictions.jsonl and summary.json there. train.py calls this for periodic dev evaluation."""
-    if scoring not in ("bird", "spider"):
-        raise ValueError(f"scoring must be 'bird' or 'spider', got {scoring!r}")
+             top_p=1.0, exec_timeout_s=30.0, workers=4, out_dir=None, name="eval", ts_dir=None, ves_runs=0) -> dict:
+    """Greedy EX always; maj@K and pass@k when samples > 1; BIRD's VES and R-VES of the greedy answers when scoring
+    is bird and ves_runs > 0. Returns the summary dict; with out_dir, also writes predictions.jsonl and summary.json
+    there, and for Spider scorings the test-suite evaluator's pred.txt and gold.txt. train.py calls this for periodic
+    dev evaluation. ts_dir: the test-suite databases (see score)."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     if not examples:
         raise ValueError("evaluate() got no examples")
     t_start = time.perf_counter()
     kw = dict(protocol=protocol, max_turns=max_turns, max_new_tokens=max_new_tokens,
               max_total_tokens=max_total_tokens, top_p=top_p, schema_mode=schema_mode)
-    golds = gold_results(examples, exec_timeout_s, workers)
-    orders = [gold_order_matters(ex["gold_sql"]) for ex in examples]
     n = len(examples)
 
     # greedy: temperature 0, one trajectory per question
     g_trajs, g_lat = run_agent(model, tokenizer, examples, group_size=1, batch_size=batch_size, desc="greedy",
                                temperature=0.0, seed=seed, **kw)
-    g_res = execute_predictions(examples, [t.episode.final_sql for t in g_trajs], exec_timeout_s, workers)
-    g_ok = [is_correct(r, g, scoring, o) for r, g, o in zip(g_res, golds, orders)]
+    g_sqls = [t.episode.final_sql for t in g_trajs]
+    g_ok, g_res, golds = score(examples, g_sqls, scoring, exec_timeout_s, workers, ts_dir)
+    ves = bird_ves(examples, g_sqls, g_ok, ves_runs, exec_timeout_s) if scoring == "bird" and ves_runs else None
 
     # sampled: K trajectories per question for maj@K and pass@k
     K = samples
     if K > 1:
         s_trajs, s_lat = run_agent(model, tokenizer, examples, group_size=K, batch_size=batch_size, desc=f"sample x{K}",
                                    temperature=temperature, seed=seed + 1, **kw)
-        s_res = execute_predictions([ex for ex in examples for _ in range(K)],
-                                    [t.episode.final_sql for t in s_trajs], exec_timeout_s, workers)
-        s_ok = [is_correct(r, golds[i // K], scoring, orders[i // K]) for i, r in enumerate(s_res)]
+        s_ok, s_res, _ = score([ex for ex in examples for _ in range(K)], [t.episode.final_sql for t in s_trajs],
+                               scoring, exec_timeout_s, workers, ts_dir)
         maj_idx = [majority_vote(s_res[i * K:(i + 1) * K]) for i in range(n)]
         maj_ok = [m is not None and s_ok[i * K + m] for i, m in enumerate(maj_idx)]
         n_ok = [sum(s_ok[i * K:(i + 1) * K]) for i in range(n)]
@@ -260,6 +299,8 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
     per_q = []
     for i in range(n):
         m = {"greedy_ex": float(g_ok[i])}
+        if ves:
+            m["ves"], m["r_ves"] = ves[i]
         if K > 1:
             m[f"maj@{K}"] = float(maj_ok[i])
             m.update({f"pass@{k}": pass_at_k(K, n_ok[i], k) for k in ks})
@@ -286,6 +327,7 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
 
     summary = {"name": name, "n": n, "protocol": protocol, "schema_mode": schema_mode, "max_turns": max_turns,
                "samples": K, "temperature": temperature, "scoring": scoring, "seed": seed,
+               "spider_ts_dir": str(ts_dir) if ts_dir else None, "ves_machine": machine() if ves else None,
                "metrics": mean(per_q), "by_difficulty": by_diff,
                "cost": {"greedy": cost_row(g_trajs, g_lat)},
                "errors": {"counts": {c: counts.get(c, 0) for c in ERROR_CLASSES + ("gold_error",)},
@@ -314,11 +356,13 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
                 f.write(json.dumps(rec) + "\n")
         with open(out_dir / "summary.json", "w") as f:
             json.dump(summary, f, indent=2)
+        if scoring != "bird":
+            write_spider_files(out_dir, examples, g_sqls)
     return summary
 
 
 # -----------------------------------------------------------------------------
-# report: markdown tables and BIRD's official prediction file
+# report: markdown tables
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -342,7 +386,8 @@ def markdown_report(summary: dict) -> str:
         "### by difficulty", markdown_table(["difficulty", "n"] + keys, by_diff),
         "### cost, as TRUST-SQL Table 10 (means: latency per question, the rest per trajectory; sampled EX = pass@1)",
         markdown_table(["run", "EX %", "latency (s)", "output tokens (K)", "turns", "tool calls"], cost),
-        "### greedy failures", markdown_table(["class", "count", "example"], errors)])
+        "### greedy failures", markdown_table(["class", "count", "example"], errors)]
+        + ([f"VES and R-VES timed on {summary['ves_machine']}"] if summary.get("ves_machine") else []))
 
 
 def _one_line(example: dict | None, width: int = 90) -> str:
@@ -351,15 +396,6 @@ def _one_line(example: dict | None, width: int = 90) -> str:
     text = f"{example['final_sql'] or '(none)'} -- {example['detail']}"
     text = " ".join(text.split()).replace("|", "\\|")
     return text if len(text) <= width else text[:width - 3] + "..."
-
-
-def write_bird_predictions(path, examples: list[dict], sqls: list) -> None:
-    """BIRD's official evaluator input: {"<idx>": "SQL\\t----- bird -----\\t<db_id>"}, idx = position in the file.
-    A missing SQL is written as an empty string, which the evaluator scores as wrong."""
-    preds = {str(i): f"{sql or ''}\t----- bird -----\t{ex['db_id']}" for i, (ex, sql) in enumerate(zip(examples, sqls))}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(preds, f, indent=4)
 
 
 # -----------------------------------------------------------------------------
@@ -385,6 +421,19 @@ def trained_settings(model_path) -> dict:
     return {k: saved[k] for k in TRAINED_FLAGS} | {"protocol": saved["protocol"].split("-")[0]}
 
 
+def output_name(model: str, protocol: str, schema_mode: str, data) -> str:
+    """Default output folder: model, protocol, schema mode and the data's folder and stem (data/gym/dev.jsonl ->
+    gym-dev), so that gym dev and Spider dev never write to the same place."""
+    data = Path(data)
+    return "-".join([Path(model.rstrip("/")).name, protocol, schema_mode, data.resolve().parent.name, data.stem])
+
+
+def fail(message: str):
+    """A user error: one line on stderr, exit status 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="checkpoint folder, 'tiny' or a Hugging Face id")
@@ -396,8 +445,13 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=8, help="K for maj@K and pass@k; 1 = greedy only")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (greedy uses 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--scoring", default=None, choices=["bird", "spider"],
-                        help="bird: set equality; spider: test-suite semantics (default: spider for Spider data)")
+    parser.add_argument("--scoring", default=None, choices=SCORINGS,
+                        help="bird: set equality (+ VES); spider: the official test-suite verdicts; spider-strict: "
+                             "DISTINCT kept, order only for an outermost ORDER BY (default: spider for Spider data)")
+    parser.add_argument("--spider-ts-dir", default=None,
+                        help="test-suite databases (one folder per db_id): correct = matches on each of them")
+    parser.add_argument("--ves-runs", type=int, default=100, help="timed runs per correct answer for bird's VES "
+                        "(100 as BIRD's script; 0 = no VES)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn")
     parser.add_argument("--max-total-tokens", type=int, default=None, help="per trajectory, prompt included")
     parser.add_argument("--batch-size", type=int, default=16, help="trajectories per rollout call")
@@ -405,7 +459,8 @@ if __name__ == "__main__":
     parser.add_argument("--exec-timeout", type=float, default=30.0, help="seconds per scoring query")
     parser.add_argument("--name", default=None, help="output folder name under --out-dir")
     parser.add_argument("--out-dir", default="out/eval")
-    parser.add_argument("--bird-predictions", default=None, help="also write BIRD's official prediction JSON here")
+    parser.add_argument("--bird-predictions", default=None, help="also write BIRD's prediction JSON here (keyed by "
+                        "question_id), and beside it the gold file of the same questions (predict_dev -> dev_gold.sql)")
     parser.add_argument("--gold-as-prediction", action="store_true",
                         help="no model: score the gold SQL as the prediction (a scorer self-check, expect 100%%)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -423,15 +478,31 @@ if __name__ == "__main__":
         print("rollout settings from the checkpoint's state.json (a flag overrides): "
               + ", ".join(f"{k}={getattr(args, k)}" for k in ROLLOUT_FLAGS))
 
+    ts_dir = args.spider_ts_dir
+    if ts_dir and not Path(ts_dir).is_dir():
+        fail(f"--spider-ts-dir {ts_dir} is not a folder; pass the test-suite's database folder (one folder of "
+             ".sqlite files per db_id)")
+    if ts_dir and args.scoring == "bird":
+        fail("--spider-ts-dir needs --scoring spider or spider-strict")
+    if args.ves_runs < 0:
+        fail(f"--ves-runs must be >= 0, got {args.ves_runs}")
     if args.data is None:
         from data.gym.prepare import ensure_gym
         args.data = str(ensure_gym(seed=0) / "dev.jsonl")
-    examples = load_examples(args.data)[:args.limit]
-    scoring = args.scoring or ("spider" if all(ex.get("source") == "spider" for ex in examples) else "bird")
+    try:
+        examples = load_examples(args.data)[:args.limit]
+    except (FileNotFoundError, ValueError) as e:
+        fail(f"{e}; pass --data an examples JSONL written by a data/*/prepare.py")
+    spider_data = ts_dir or all(ex.get("source") == "spider" for ex in examples)
+    scoring = args.scoring or ("spider" if spider_data else "bird")
+    missing = sorted({ex["db_id"] for ex in examples if ts_dir and not ts_databases(ex, ts_dir)})
+    if missing:
+        fail(f"--spider-ts-dir {ts_dir} has no .sqlite files for {len(missing)} database(s), e.g. {missing[0]}; "
+             "pass the folder that holds one folder per db_id")
 
     if args.gold_as_prediction:
-        ok = score_sqls(examples, [ex["gold_sql"] for ex in examples], scoring, args.exec_timeout)
-        gold_failed = sum(r.error is not None for r in gold_results(examples, args.exec_timeout))
+        ok, _, golds = score(examples, [ex["gold_sql"] for ex in examples], scoring, args.exec_timeout, ts_dir=ts_dir)
+        gold_failed = sum(r.error is not None for r in golds)
         print(f"gold as prediction, {scoring} scoring: {100 * sum(ok) / len(ok):.2f}% EX "
               f"({sum(ok)}/{len(ok)}; {gold_failed} gold queries fail to run)")
         sys.exit(0)
@@ -443,18 +514,18 @@ if __name__ == "__main__":
     model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, seed=args.seed)
     if model.config._attn_implementation not in ("sdpa", "eager"):
         model.set_attn_implementation("sdpa")  # rollout's batched rows need per-row attention masks
-    name = args.name or "-".join([Path(args.model.rstrip("/")).name, args.protocol, args.schema_mode,
-                                  Path(args.data).stem])
+    name = args.name or output_name(args.model, args.protocol, args.schema_mode, args.data)
     with torch.no_grad():
         summary = evaluate(model, tokenizer, examples, protocol=args.protocol, schema_mode=args.schema_mode,
                            max_turns=args.max_turns, samples=args.samples, temperature=args.temperature,
                            scoring=scoring, batch_size=args.batch_size, seed=args.seed,
                            max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
-                           top_p=args.top_p, exec_timeout_s=args.exec_timeout,
-                           out_dir=Path(args.out_dir) / name, name=name)
+                           top_p=args.top_p, exec_timeout_s=args.exec_timeout, ts_dir=ts_dir,
+                           ves_runs=args.ves_runs, out_dir=Path(args.out_dir) / name, name=name)
     if args.bird_predictions:
         with open(Path(args.out_dir) / name / "predictions.jsonl") as f:
             write_bird_predictions(args.bird_predictions, examples, [json.loads(line)["final_sql"] for line in f])
     print(markdown_report(summary))
     print(f"\nwrote {Path(args.out_dir) / name}/predictions.jsonl and summary.json"
-          + (f", {args.bird_predictions}" if args.bird_predictions else ""))
+          + (", pred.txt and gold.txt" if scoring != "bird" else "")
+          + (f", {args.bird_predictions} and its gold file" if args.bird_predictions else ""))

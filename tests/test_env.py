@@ -2,11 +2,15 @@
 
     python -m pytest -q tests/test_env.py
 """
+import dataclasses
 import doctest
 import hashlib
 import json
+import multiprocessing
 import os
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -203,6 +207,8 @@ def test_non_utf8_text_is_replaced_not_an_error(tmp_path):
     conn.close()
     r = env.run_sql(db, "SELECT name FROM t")
     assert r.error is None and r.rows == [("M\ufffdller",)]
+    assert "CAST it AS BLOB" in env.run_sql(db, "SELECT replace(name, 'l', 'L') FROM t").error  # guarded functions
+    assert env.run_sql(db, "SELECT instr(CAST(name AS BLOB), 'l') FROM t").rows == [(3,)]
 
 
 def test_wal_database_is_read_without_leaving_wal_files(tmp_path):
@@ -235,6 +241,157 @@ def test_16_concurrent_runaways_all_return(world):
     assert [r.error for r in results] == ["query timed out after 0.5 s"] * 16
     assert _sha(world) == before_hash and _temp_files() <= before_tmp
     assert sorted(os.listdir(world.parent)) == ["world_1.sqlite"]
+
+
+A = "replace(hex(zeroblob({})), '0', 'a')"  # 2n characters of 'a', built inside SQLite
+A1MB, E4 = A.format(499_000), "replace(hex(zeroblob(249000)), '00', '\U0001F600')"  # 998,000 bytes of 'a' / of 😀
+PER_ROW = "WITH v(s) AS (SELECT {}) SELECT count(*) FROM city, v WHERE {}"  # one call per city row (4,000 rows)
+ONE_STEP = {  # work inside one SQLite call, which nothing interrupts; (time for a 0.5 s timeout before the fix)
+    "LIKE, 1 MB by a 20k pattern (15 s)": f"SELECT {A1MB} LIKE '%' || {A.format(10_000)} || 'b'",
+    "GLOB [...], 1 MB by 20k (18 s)": f"SELECT {A1MB} GLOB '*[' || {A.format(10_000)} || 'b]c'",
+    "instr, 1 MB by 0.5 MB (4.5 s)": f"SELECT instr({A1MB}, {A.format(250_000)} || 'b')",
+    "replace, 1 MB by 0.5 MB (4.8 s)": f"SELECT length(replace({A1MB}, {A.format(250_000)} || 'b', 'x'))",
+    "trim, 1 MB by an 80k set (>30 s)": f"SELECT length(trim({A1MB}, replace(hex(zeroblob(40000)), '0', 'b') || 'a'))",
+    "json_patch, two 20k-key objects (1.1 s)": "WITH k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k LIMIT 20000) "
+                                               "SELECT length(json_patch(json_group_object('a' || i, 0), "
+                                               "json_group_object('b' || i, 0))) FROM k",
+    # the largest calls still allowed, one per row, stopped between two rows now (25 s to minutes before)
+    "LIKE at the pattern limit, every row": PER_ROW.format(A1MB, "substr(s, ID) LIKE '%" + "a" * 37 + "b'"),
+    "GLOB [...] at its budget, every row": PER_ROW.format(A1MB, "substr(s, ID) GLOB '*[" + "b" * 15 + "a]c'"),
+    "instr at its budget in 4-byte characters, every row": PER_ROW.format(E4, "instr(substr(s, ID), '"
+                                                                          + "\U0001F600" * 599 + "\U0001F601')"),
+    "trim at its budget, every row": PER_ROW.format(A1MB, "length(trim(substr(s, ID), '" + "b" * 18 + "a'))"),
+    "randomblob(1e6) on every row (4.4 s)": "SELECT count(*) FROM city a, city b WHERE length(randomblob(999999 - "
+                                            "a.ID - b.ID)) > 0",
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_STEP))
+def test_one_heavy_sqlite_step_cannot_outlast_the_timeout(world, name):
+    t0 = time.monotonic()
+    r = env.run_sql(world, ONE_STEP[name], timeout_s=0.5)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.5 + 0.2, f"{name}: returned {elapsed - 0.5:+.3f} s after the timeout"
+    assert r.error == "query timed out after 0.5 s" or "too long" in r.error or "too complex" in r.error
+
+
+def test_guarded_functions_give_sqlites_own_results(pets):
+    native = sqlite3.connect(":memory:")
+    calls = ["instr('abcabc', 'ca')", "instr(x'616263', x'63')", "instr(12345, 34)", "instr(NULL, 'a')",
+             "instr('\U0001F600abc', 'b')", "instr('abc', '')", "replace('abcabc', 'b', 'XY')",
+             "replace('abc', '', 'x')", "replace(12.5, '.', ',')", "replace(x'616263', 'b', 'z')",
+             "replace('a', 'a', NULL)", "trim('xxhixx', 'x')", "ltrim('xxhi', 'x')", "rtrim(1200, '0')",
+             "trim('h\u00e9\u00e9', '\u00e9')", "'abc' GLOB 'A*'", "'abc' GLOB '[a-c]*'", "glob(NULL, 'a')",
+             "json_patch('{\"a\": 1}', '{\"b\": 2}')"]
+    for call in calls:
+        want = native.execute(f"SELECT {call}, typeof({call})").fetchone()
+        assert env.run_sql(pets, f"SELECT {call}, typeof({call})").rows == [want], call
+    assert "too long" in env.run_sql(pets, f"SELECT instr({A1MB}, {A.format(1000)})").error
+    assert env.run_sql(pets, f"SELECT instr({A1MB}, 'b')").rows == [(0,)]  # a long value, a short needle: fine
+
+
+def test_a_lock_held_by_another_process_ends_at_the_deadline(tmp_path):
+    db = tmp_path / "locked.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    holder = subprocess.Popen([sys.executable, "-c", f"""import sqlite3, time
+c = sqlite3.connect({str(db)!r}, isolation_level=None)
+c.execute("SELECT * FROM t").fetchall()  # opens the WAL first, then takes the file for itself
+c.execute("PRAGMA locking_mode = EXCLUSIVE")
+c.execute("INSERT INTO t VALUES (1)")
+print("locked", flush=True)
+time.sleep(60)"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = sorted(os.listdir(tmp_path))
+        t0 = time.monotonic()
+        r = env.run_sql(db, "SELECT count(*) FROM t", timeout_s=0.5)  # was 5.0 s: Python's default busy timeout
+        assert time.monotonic() - t0 < 0.5 + 0.2
+        assert r.error in ("query timed out after 0.5 s", "database is locked")
+        assert sorted(os.listdir(tmp_path)) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_orphaned_wal_gets_no_shm_file_from_us(tmp_path):
+    db = tmp_path / "orphan.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA locking_mode = EXCLUSIVE")  # WAL index in heap memory: no -shm file
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    wal = (tmp_path / "orphan.sqlite-wal").read_bytes()  # what a writer that died mid-run leaves behind
+    conn.close()
+    (tmp_path / "orphan.sqlite-wal").write_bytes(wal)
+    before = {p.name: _sha(p) for p in tmp_path.iterdir()}
+    r = env.run_sql(db, "SELECT count(*) FROM t")
+    assert r.error == "unable to open database file"  # SQLite would create orphan.sqlite-shm to read it
+    assert {p.name: _sha(p) for p in tmp_path.iterdir()} == before
+
+
+EXPOSERS = {  # compiled into the SQLite Python ships with (pragma function_list / module_list)
+    "fts3_tokenizer() returns a library address": ("SELECT hex(fts3_tokenizer('simple'))", "fts3_tokenizer()"),
+    "fts3_tokenizer() takes a pointer": ("SELECT FTS3_TOKENIZER('x', x'4141414141414141')", "fts3_tokenizer()"),
+    "fts5() hands out an API pointer": ("SELECT fts5(NULL)", "fts5()"),
+    "rtreenode() decodes a raw blob": ("SELECT rtreenode(2, zeroblob(100))", "rtreenode()"),
+    "sqlite_log() writes to the process log": ("SELECT sqlite_log(1, 'x')", "sqlite_log()"),
+    "dbstat shows the file's pages": ("SELECT count(*) FROM DBSTAT", "DBSTAT"),
+    "sqlite_stmt shows engine internals": ("SELECT sql FROM sqlite_stmt", "sqlite_stmt"),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPOSERS))
+def test_functions_that_expose_memory_or_files_are_refused(pets, name):
+    sql, what = EXPOSERS[name]
+    assert env.run_sql(pets, sql).error.startswith(f"not authorized: {what} ")
+
+
+def test_fts3_tokenizer_really_leaks_an_address_without_the_sandbox():
+    # why it is refused: this build has ENABLE_FTS3_TOKENIZER, so plain sqlite3 returns a pointer
+    assert len(sqlite3.connect(":memory:").execute("SELECT fts3_tokenizer('simple')").fetchone()[0]) == 8
+
+
+def test_errors_and_observations_are_capped(pets):
+    r = env.run_sql(pets, "SELECT * FROM " + "t" * 90_000)  # was a 90,014-character error
+    assert r.error.startswith("no such table: ttt") and len(r.error) <= env.MAX_ERROR_CHARS + 40
+    huge = env.SQLResult([], [], "x" * 90_000, False, 0.0)  # a result from somewhere other than run_sql
+    assert len(env.format_observation(huge, max_chars=4000)) <= 4000 + 40
+    ep = env.new_episode(_example(pets), "trail", max_turns=5)
+    obs, _ = env.step(ep, "<reasoning>x</reasoning><sql>SELECT * FROM " + "t" * 90_000 + "</sql>")
+    assert len(obs) < 1000 and len(ep.exec_errors[0]) <= env.MAX_ERROR_CHARS + 40
+    def echo(text):  # a parser that echoes the malformed turn back in its feedback
+        return env.Action("invalid", None, None, False, text)
+    env.PROTOCOLS["trail-echo-test"] = dataclasses.replace(env.PROTOCOLS["trail"], name="trail-echo-test",
+                                                           parse_turn=echo)
+    try:
+        obs, _ = env.step(env.new_episode(_example(pets), "trail-echo-test", 5), "junk " * 50_000)
+        assert len(obs) < env.MAX_ERROR_CHARS + 500
+    finally:
+        env.PROTOCOLS.pop("trail-echo-test")
+
+
+def test_a_nan_timeout_is_an_error_not_forever(pets):
+    assert "timeout_s" in env.run_sql(pets, "SELECT 1", timeout_s=float("nan")).error
+    assert env.run_sql(pets, "SELECT 1", timeout_s=float("inf")).rows == [(1,)]
+
+
+def test_the_watchdog_works_in_a_forked_child(world):
+    env.run_sql(world, "SELECT 1")  # the parent's watchdog thread exists; a forked child has none
+    child = multiprocessing.get_context("fork").Process(target=_runaway_in_child, args=(str(world),))
+    child.start()
+    child.join(10)
+    child.kill()  # a no-op once it has exited
+    assert child.exitcode == 0
+
+
+def _runaway_in_child(db):
+    t0 = time.monotonic()
+    r = env.run_sql(db, RUNAWAYS["recursive CTE without LIMIT"], timeout_s=0.3)
+    os._exit(0 if r.error == "query timed out after 0.3 s" and time.monotonic() - t0 < 0.3 + 0.2 else 1)
 
 
 def test_run_many_keeps_job_order_and_survives_bad_jobs(pets):

@@ -1,5 +1,6 @@
-"""eval.py: maj@K voting, the pass@k estimator, the error taxonomy, scoring, the Spider gold self-check and an
-end-to-end run of the tiny model on the gym.   python -m pytest -q tests/test_eval.py"""
+"""eval.py: maj@K voting, the pass@k estimator, the error taxonomy, scoring as the official Spider and BIRD scorers
+do it (test-suite rules and the files of data/spider/prepare.py, VES of data/bird/prepare.py), user errors, the
+Spider gold self-check and an end-to-end run of the tiny model on the gym.   python -m pytest -q tests/test_eval.py"""
 import itertools
 import json
 import math
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+from data.bird.prepare import bird_ves, load_bird, machine, r_ves_reward, time_ratio, write_bird_predictions
+from data.spider.prepare import MISSING_SQL, load_spider, remove_distinct, spider_hardness, write_spider_files
 from env import SQLResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,13 +157,12 @@ def test_gold_queries_reference_no_unknown_names(spider_dir):
      "WHERE T1.year >= 2014 GROUP BY T2.stadium_id ORDER BY count(*) DESC LIMIT 1", "extra"),
 ])
 def test_spider_hardness(sql, level):
-    from data.spider.prepare import spider_hardness
     assert spider_hardness(sql) == level
     assert ev.difficulty_of({"gold_sql": sql, "source": "spider", "difficulty": ""}) == level
 
 
 # -----------------------------------------------------------------------------
-# self-check: the gold SQL as the prediction scores 100 % on the real Spider dev set, in both modes
+# self-check: the gold SQL as the prediction scores 100 % on the real Spider dev set, in every mode
 
 def test_spider_gold_as_prediction_scores_100(spider_dir):
     examples = []
@@ -170,18 +172,170 @@ def test_spider_gold_as_prediction_scores_100(spider_dir):
             examples.append({"id": i, "db_id": r["db_id"], "db_path": str(db), "gold_sql": r["query"]})
     assert len(examples) == 972
     golds = [ex["gold_sql"] for ex in examples]
-    for scoring in ("bird", "spider"):
+    for scoring in ev.SCORINGS:
         ok = ev.score_sqls(examples, golds, scoring)
         assert sum(ok) == len(examples), [ex["gold_sql"] for ex, o in zip(examples, ok) if not o][:5]
     # and a wrong prediction scores wrong
     assert ev.score_sqls(examples[:1], ["SELECT 12345"], "spider") == [False]
 
 
-def test_bird_prediction_file_format(tmp_path):
-    examples = [{"db_id": "california_schools"}, {"db_id": "financial"}]
-    ev.write_bird_predictions(tmp_path / "predict_dev.json", examples, ["SELECT 1", None])
-    assert json.loads((tmp_path / "predict_dev.json").read_text()) == {
-        "0": "SELECT 1\t----- bird -----\tcalifornia_schools", "1": "\t----- bird -----\tfinancial"}
+# -----------------------------------------------------------------------------
+# spider scoring = the official test-suite evaluator's verdicts (exec_eval.eval_exec_match, defaults); spider-strict
+# = the queries as written. Each case: gold, prediction, official verdict, strict verdict.
+
+def singer_example(db, gold, db_id="concert"):
+    return {"id": "q", "db_id": db_id, "db_path": str(db), "question": "?", "evidence": "", "gold_sql": gold,
+            "difficulty": "easy", "source": "spider"}
+
+
+def test_remove_distinct_drops_the_keyword_tokens_only():
+    assert remove_distinct("SELECT DISTINCT T1.Year FROM cars_data AS T1") == "SELECT  T1.Year FROM cars_data AS T1"
+    assert remove_distinct("select count(distinct(x)) from t") == "select count((x)) from t"
+    # names and strings spelled distinct stay; so do comments and spacing
+    keep = "SELECT \"distinct\", [distinct], distinct_x FROM t WHERE a = 'distinct' -- distinct\n"
+    assert remove_distinct(keep) == keep
+    # sqlparse.parse(s)[0] there: only the first statement is run
+    assert remove_distinct("SELECT DISTINCT a FROM t; SELECT 1") == "SELECT  a FROM t;"
+
+
+@pytest.mark.parametrize("gold, pred, official, strict", [
+    # DISTINCT removed from both: a prediction without it is right
+    ("SELECT DISTINCT country FROM singer", "SELECT country FROM singer", True, False),
+    # COUNT(DISTINCT x) becomes COUNT(x): count(country) = 3 is right, the 2 countries are wrong
+    ("SELECT count(DISTINCT country) FROM singer", "SELECT count(country) FROM singer", True, False),
+    ("SELECT count(DISTINCT country) FROM singer",
+     "SELECT count(*) FROM (SELECT country FROM singer GROUP BY country)", False, True),
+    # "order by" in a subquery: row order counts (gold Joe, Tim; prediction Tim, Joe)
+    ("SELECT name FROM singer WHERE age > (SELECT age FROM singer ORDER BY age LIMIT 1)",
+     "SELECT name FROM singer WHERE age > 25 ORDER BY name DESC", False, True),
+    # the `value` placeholder becomes 1 between spaces; at the end of the line it stays (no such column: value)
+    ("SELECT name FROM singer WHERE singer_id = 1 AND age > 30",
+     "SELECT name FROM singer WHERE singer_id = value AND age > 30", True, False),
+    ("SELECT name FROM singer WHERE age > 30 AND singer_id = 1",
+     "SELECT name FROM singer WHERE age > 30 AND singer_id = value", False, False),
+    # postprocess joins "> =", and a second statement is dropped
+    ("SELECT name FROM singer WHERE age >= 33", "SELECT name FROM singer WHERE age > = 33", True, False),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE age > 30; SELECT 1", True, False),
+])
+def test_official_spider_rules(concert_db, gold, pred, official, strict):
+    examples = [singer_example(concert_db, gold)]
+    assert ev.score_sqls(examples, [pred], "spider") == [official]
+    assert ev.score_sqls(examples, [pred], "spider-strict") == [strict]
+
+
+def test_official_spider_cars_example_from_issue_32(spider_dir):
+    db = spider_dir / "database" / "car_1" / "car_1.sqlite"
+    gold = "SELECT DISTINCT T1.Year FROM CARS_DATA AS T1 WHERE T1.Weight > 3000 AND T1.weight < 4000"
+    pred = "SELECT T1.Year FROM CARS_DATA AS T1 WHERE T1.Weight > 3000 AND T1.weight < 4000"  # 107 rows, 13 years
+    examples = [singer_example(db, gold, "car_1")]
+    assert ev.score_sqls(examples, [pred], "spider") == [True]
+    assert ev.score_sqls(examples, [pred], "spider-strict") == [False]
+
+
+def make_singer_db(path, ages):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name TEXT, country TEXT, age INTEGER)")
+    con.executemany("INSERT INTO singer VALUES (?, ?, 'France', ?)", [(i, n, a) for i, (n, a) in
+                                                                     enumerate(zip(["Joe", "Ann", "Tim"], ages), 1)])
+    con.commit()
+    con.close()
+    return path
+
+
+@pytest.fixture
+def test_suite(tmp_path):
+    """Two databases of one schema, as the test-suite's distilled ones: Tim is 33 in one and 31 in the other."""
+    first = make_singer_db(tmp_path / "ts" / "concert" / "concert.sqlite", [52, 25, 33])
+    make_singer_db(tmp_path / "ts" / "concert" / "concert_1.sqlite", [52, 25, 31])
+    return tmp_path / "ts", singer_example(first, "SELECT name FROM singer WHERE age > 30")
+
+
+def test_test_suite_prediction_must_match_on_every_database(test_suite):
+    ts_dir, example = test_suite
+    lucky, right = "SELECT name FROM singer WHERE age >= 33", "SELECT name FROM singer WHERE age > 30"
+    assert ev.score_sqls([example, example], [lucky, right], "spider") == [True, True]  # the one database
+    for scoring in ("spider", "spider-strict"):
+        assert ev.score_sqls([example, example], [lucky, right], scoring, ts_dir=ts_dir) == [False, True]
+
+
+# -----------------------------------------------------------------------------
+# BIRD's VES: the official time ratio (outliers dropped, sqrt), positive for a correct answer, 0 for a wrong one
+
+def test_time_ratio_drops_outliers_as_bird_does():
+    assert time_ratio([1.0] * 20 + [100.0]) == 1.0  # 100 lies 4.5 std above the mean
+    assert time_ratio([0.5, 1.0, 1.5]) == 1.0
+    assert time_ratio([2.0] * 5) == 0.0  # nothing strictly inside mean +- 0: the official division by zero
+    assert [r_ves_reward(r) for r in (0, 0.1, 0.25, 0.7, 1.0, 1.9, 2.0)] == [0, 0.25, 0.5, 0.75, 1, 1, 1.25]
+
+
+def test_ves_positive_for_correct_and_zero_for_wrong(concert_db):
+    gold = "SELECT name FROM singer WHERE age > 30"
+    examples = [singer_example(concert_db, gold)] * 2
+    sqls = ["SELECT name FROM singer WHERE age >= 31", "SELECT name FROM singer"]
+    correct = ev.score_sqls(examples, sqls, "bird")
+    assert correct == [True, False]
+    (ves, r_ves), wrong = bird_ves(examples, sqls, correct, runs=5)
+    assert ves > 0 and r_ves >= 0.5 and wrong == (0.0, 0.0)
+    assert "cores" in machine()
+
+
+# -----------------------------------------------------------------------------
+# the files the official scorers read: right lines and keys for exactly the questions evaluated
+
+def test_spider_file_pair_has_one_line_per_evaluated_question(spider_dir, tmp_path):
+    dev = json.loads((spider_dir / "dev.json").read_text())
+    picked = (428, 429, 430, 491)  # 429 and 430 ask wta_1, which has no database: skipped
+    (tmp_path / "dev.json").write_text(json.dumps([dev[i] for i in picked]))
+    records, skipped = load_spider(tmp_path, db_dir=spider_dir / "database")
+    assert len(records) == 2 and len(skipped) == 2
+    write_spider_files(tmp_path / "out", records, ["SELECT count(*)\n  FROM singer", None])
+    assert (tmp_path / "out" / "pred.txt").read_text().splitlines() == ["SELECT count(*) FROM singer", MISSING_SQL]
+    assert (tmp_path / "out" / "gold.txt").read_text().splitlines() == [
+        f"{dev[i]['query']}\t{dev[i]['db_id']}" for i in (428, 491)]
+
+
+def test_bird_prediction_keys_are_question_ids(tmp_path):
+    bird = tmp_path / "bird"
+    make_singer_db(bird / "dev_databases" / "concert" / "concert.sqlite", [52, 25, 33])
+    dev = [{"question_id": q, "db_id": db, "question": f"q{q}", "SQL": f"SELECT {q}", "difficulty": "simple"}
+           for q, db in ((0, "concert"), (1, "financial"), (2, "concert"), (3, "concert"))]
+    (bird / "dev.json").write_text(json.dumps(dev))
+    records, skipped = load_bird(bird)
+    assert len(skipped) == 1  # financial's database is missing
+    write_bird_predictions(tmp_path / "out" / "predict_dev.json", records[:2], ["SELECT 1", None])  # --limit 2
+    assert json.loads((tmp_path / "out" / "predict_dev.json").read_text()) == {
+        "0": "SELECT 1\t----- bird -----\tconcert", "2": "\t----- bird -----\tconcert"}
+    assert (tmp_path / "out" / "dev_gold.sql").read_text() == "SELECT 0\tconcert\nSELECT 2\tconcert\n"
+
+
+def test_default_output_names_differ_for_gym_and_spider():
+    assert ev.output_name("out/ckpt/", "trust", "none", "data/gym/dev.jsonl") == "ckpt-trust-none-gym-dev"
+    assert ev.output_name("out/ckpt", "trust", "none", "data/spider/dev.jsonl") == "ckpt-trust-none-spider-dev"
+
+
+# -----------------------------------------------------------------------------
+# the CLI on test-suite databases; user errors: one line "error: ...", exit status 2, before any work
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), "--gold-as-prediction", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_spider_ts_dir_and_user_errors(test_suite, tmp_path):
+    ts_dir, example = test_suite
+    data = tmp_path / "data" / "dev.jsonl"
+    data.parent.mkdir()
+    data.write_text(json.dumps(example) + "\n")
+    out = run_cli("--data", data, "--spider-ts-dir", ts_dir)
+    assert out.returncode == 0 and "100.00% EX (1/1" in out.stdout, out.stderr
+    for bad, why in [(["--spider-ts-dir", tmp_path / "nowhere"], "is not a folder"),
+                     (["--spider-ts-dir", tmp_path], "no .sqlite files for 1 database(s), e.g. concert"),
+                     (["--spider-ts-dir", ts_dir, "--scoring", "bird"], "needs --scoring spider"),
+                     (["--ves-runs", "-1"], "--ves-runs must be >= 0")]:
+        out = run_cli("--data", data, *bad)
+        assert out.returncode == 2 and out.stdout == "", out.stderr
+        assert out.stderr.startswith("error: ") and why in out.stderr and out.stderr.count("\n") == 1
 
 
 # -----------------------------------------------------------------------------
@@ -233,6 +387,30 @@ def test_evaluate_scripted_policy(concert_db, tmp_path, monkeypatch):
     assert [r["maj_correct"] for r in rows] == [True, True, True, False]
     assert rows[3]["maj_sql"] == SCRIPT["q3"][1][0]  # the first member of the winning (empty) group
     assert [r["error_label"] for r in rows] == [None, "semantic", "generation", "hallucination"]
+
+
+def test_evaluate_reports_ves_for_bird(concert_db, monkeypatch):
+    import rollout
+    monkeypatch.setattr(rollout, "rollout", scripted_rollout)
+    examples = [{"id": q, "db_id": "concert", "db_path": concert_db, "question": q, "gold_sql": sql,
+                 "difficulty": "easy" if q == "q0" else "hard", "source": "gym"} for q, sql in GOLD.items()]
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "")
+    s = ev.evaluate(None, tokenizer, examples, scoring="bird", ves_runs=3)
+    assert set(s["metrics"]) == {"greedy_ex", "ves", "r_ves"} and s["metrics"]["greedy_ex"] == 1 / 4
+    assert s["by_difficulty"]["easy"]["ves"] > 0 and s["by_difficulty"]["hard"]["ves"] == 0  # only q0 is right
+    assert "VES and R-VES timed on" in ev.markdown_report(s) and s["ves_machine"] == machine()
+
+
+def test_evaluate_writes_the_spider_file_pair(concert_db, tmp_path, monkeypatch):
+    import rollout
+    monkeypatch.setattr(rollout, "rollout", scripted_rollout)
+    examples = [{"id": q, "db_id": "concert", "db_path": concert_db, "question": q, "gold_sql": sql,
+                 "difficulty": "easy", "source": "spider"} for q, sql in GOLD.items()]
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "")
+    s = ev.evaluate(None, tokenizer, examples, scoring="spider", out_dir=tmp_path, name="s")
+    assert s["metrics"] == {"greedy_ex": 1 / 4} and s["scoring"] == "spider"
+    assert (tmp_path / "pred.txt").read_text().splitlines() == [SCRIPT[q][0] or MISSING_SQL for q in GOLD]
+    assert (tmp_path / "gold.txt").read_text().splitlines() == [f"{sql}\tconcert" for sql in GOLD.values()]
 
 
 # -----------------------------------------------------------------------------

@@ -1,19 +1,23 @@
 """
 Spider (and Spider-DK / Spider-Syn / Spider-Realistic, which share its format) -> sqlrl JSONL.
 Difficulty is the official Spider hardness (easy/medium/hard/extra), computed from the gold SQL with sqlglot.
-Also home of the small helpers the BIRD and SynSQL loaders share (JSON streaming, read-only SQLite, gold checks).
+Also home of the official test-suite evaluator's conventions that eval.py's spider scoring reproduces (its query
+rewriting, the test-suite databases, its gold.txt/pred.txt files), and of the small helpers the BIRD and SynSQL
+loaders share (JSON streaming, read-only SQLite, gold checks, the gold file both official scorers read).
 
     python data/spider/prepare.py --spider-dir ../shared/data/spider                 # -> data/spider/dev.jsonl
     python data/spider/prepare.py --spider-dir DIR --split train_spider.json --out /tmp/spider
 """
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
 
 import sqlglot
 from sqlglot import exp
+from sqlglot.tokens import TokenType
 from tqdm import tqdm
 
 if __name__ == "__main__":  # run as a script: make `data.*` importable like from the repo root
@@ -194,6 +198,67 @@ def hardness_level(c1, c2, others):
             (c1 <= 1 and others == 0 and c2 <= 1):
         return "hard"
     return "extra"
+
+
+# -----------------------------------------------------------------------------
+# the official test-suite evaluator (taoyds/test-suite-sql-eval, exec_eval.eval_exec_match, default flags): the
+# queries it runs for a line of its files, its databases, and the files themselves. eval.py scores with these.
+
+
+def one_line(sql):
+    """sql as a line of the official files (line breaks and tabs become a space): what their scorers then run."""
+    return re.sub(r"\s*[\r\n\t]+\s*", " ", sql).strip()
+
+
+def remove_distinct(sql):
+    """exec_eval.remove_distinct: the first statement's text without its DISTINCT keyword tokens. It tokenizes with
+    sqlparse; sqlglot's SQLite tokenizer finds the same keywords ("distinct" and [distinct] are names, 'distinct' a
+    string). Text that does not tokenize (an unclosed quote) fails to run either way."""
+    try:
+        tokens = sqlglot.tokenize(sql, read="sqlite")
+    except sqlglot.errors.SqlglotError:
+        return sql
+    out, pos = "", 0  # token positions index sql: cutting there keeps comments and spacing as written
+    for t in tokens:
+        if t.token_type == TokenType.SEMICOLON:  # sqlparse.parse(s)[0]: a second statement is dropped, not run
+            return out + sql[pos:t.end + 1]
+        if t.token_type == TokenType.DISTINCT:
+            out, pos = out + sql[pos:t.start], t.end + 1
+    return out + sql[pos:]
+
+
+def spider_sql(sql, pred):
+    """The query the test-suite evaluator runs for a line of its gold (pred=False) or prediction file."""
+    sql = one_line(sql)
+    if pred:  # evaluation.py: the `value` placeholder of value-free parsers (only between spaces, as there)
+        sql = sql.replace(" value ", " 1 ")
+    sql = remove_distinct(sql.replace("> =", ">=").replace("< =", "<=").replace("! =", "!="))  # postprocess
+    return re.sub(r"YEAR\s*\(\s*CURDATE\s*\(\s*\)\s*\)\s*", "2020", sql, flags=re.I)  # exec_on_db: replace_cur_year
+
+
+def ts_databases(example, ts_dir=None):
+    """The example's database, or each file of its test-suite folder with '.sqlite' in its name ([] if none)."""
+    if ts_dir is None:
+        return [example["db_path"]]
+    folder = Path(ts_dir) / example["db_id"]
+    return sorted(str(f) for f in folder.iterdir() if ".sqlite" in f.name) if folder.is_dir() else []
+
+
+MISSING_SQL = "SELECT"  # a file line for a missing prediction: it fails to run, so it is scored wrong
+
+
+def write_gold_sql(path, examples):
+    """"SQL\\tdb_id" per line for exactly these questions, in order: Spider test-suite's --gold and BIRD's
+    dev_gold.sql (both scorers pair predictions with gold lines by position)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(f"{one_line(ex['gold_sql'])}\t{ex['db_id']}\n" for ex in examples))
+
+
+def write_spider_files(out_dir, examples, sqls):
+    """The test-suite evaluator's pair (evaluation.py --gold gold.txt --pred pred.txt --etype exec), one question
+    per line. A missing SQL is written as MISSING_SQL: an empty line would end a 'session' and shift every line."""
+    write_gold_sql(Path(out_dir) / "gold.txt", examples)
+    (Path(out_dir) / "pred.txt").write_text("".join(f"{one_line(sql or '') or MISSING_SQL}\n" for sql in sqls))
 
 
 # -----------------------------------------------------------------------------
