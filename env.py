@@ -350,7 +350,7 @@ def results_match(pred_rows, gold_rows, mode="bird", order_matters=False) -> boo
 # -----------------------------------------------------------------------------
 # what the agent sees
 
-MAX_CELL_CHARS = 200
+MAX_CELL_CHARS = 500  # a CREATE TABLE statement whole: the agent reads the schema from sqlite_master
 MAX_OBS_CHARS = 6000  # any observation step() returns, before its turns note
 
 

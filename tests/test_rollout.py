@@ -1,4 +1,5 @@
-"""rollout.py on the tiny model (CPU, fp32): replay, batch invariance, token-in/token-out, limits, bad tool calls.
+"""rollout.py on the tiny model (CPU, fp32; SmolLM2's tokenizer on a small random Llama) and tiny configs of other
+model families: replay, batch invariance, token-in/token-out, limits, bad tool calls.
 
 An untrained model emits junk, so real tool calls come from a scripted policy fed through rollout's `force` hook;
 the turns it leaves open are sampled (or decoded greedily) by the model itself.
@@ -292,3 +293,33 @@ def test_grpo_step_on_rollouts_moves_each_trajectory_along_its_advantage(example
     assert abs(m["sampler_kl"]) < 1e-5 and m["clip_frac_high"] == m["clip_frac_low"] == 0.0
     change = sampled_logp() - before
     assert change[0] > 0 and (change[1:] < 0).all(), change  # the rewarded trajectory up, the others down
+
+# -----------------------------------------------------------------------------
+# 6. any Hugging Face causal LM: tiny random configs of the families users train
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
+def test_every_model_family_batches_and_replays(tiny, examples, model_type):
+    """Llama-family models take the rollout's 4-D mask as a tensor only (a dict of masks crashed them): each family
+    decodes a batch exactly as each row alone, and its recorded log-probs match a plain forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    _, tokenizer = tiny
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    if model_type == "qwen3_moe":
+        dims.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **dims), attn_implementation="sdpa")
+    pair = (model.eval(), tokenizer)
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r + 1}"), 6 + 3 * r] for r in range(3)}
+    batch = run(pair, examples[:3], scripts, max_new_tokens=20)
+    for r in range(3):
+        alone = run(pair, examples[r:r + 1], {0: scripts[r]}, max_new_tokens=20)[0]
+        assert alone.token_ids == batch[r].token_ids, f"{model_type}: row {r} differs when decoded alone"
+    sampled = run(pair, examples[:2], scripts, group_size=1, temperature=0.8, seed=1, max_new_tokens=20)
+    for traj in sampled:
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        assert mask.sum() > 10
+        assert torch.allclose(replay_logprobs(model, traj, 0.8)[mask], torch.tensor(traj.sample_logprobs)[mask],
+                              atol=1e-4, rtol=0)
