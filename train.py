@@ -254,14 +254,14 @@ def load_sft_data(path, tokenizer, max_len, rank=0):
     return rows
 
 
-def spider_sample(spider_dir, n, seed=0):
+def spider_sample(spider_dir, n):
     """A fixed sample of n Spider dev questions (the same for every run, so seeds compare on the same questions);
     [] when the folder has no dev.json."""
     if not (Path(spider_dir) / "dev.json").is_file():
         return []
     from data.spider.prepare import load_spider
     records, _ = load_spider(Path(spider_dir))
-    return [{**r, "db_path": str(r["db_path"])} for r in random.Random(seed).sample(records, min(n, len(records)))]
+    return [{**r, "db_path": str(r["db_path"])} for r in random.Random(0).sample(records, min(n, len(records)))]
 
 
 def pad_batch(rows, pad_id, device):
@@ -667,7 +667,7 @@ def main(argv=None):
 
     # --- model: fp32 master weights (the optimizer's); bf16 compute per --dtype; gradient checkpointing on GPU
     model, tokenizer = load_model(args.model, device=device, seed=args.seed)
-    spider = spider_sample(args.spider_dir, args.spider_limit, args.seed) if args.spider_limit else []
+    spider = spider_sample(args.spider_dir, args.spider_limit) if args.spider_limit else []
     if master and args.spider_limit and not spider:
         print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
     base_protocol = args.protocol
@@ -739,13 +739,14 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         return out
 
     ctx = dict(rank=rank, world=world, device=device, log=log, wrap=wrap, autocast=autocast, maybe_save=maybe_save,
-               dev=evalsets["dev"], policy=policy, timed=timed)
+               dev=evalsets["dev"], policy=policy)
 
     def record_eval(tag):
         if tag in state["evals"]:
             return
+        weights = policy()  # one bf16 refresh for all the eval sets
         with torch.no_grad():
-            state["evals"][tag] = {name: timed("eval", evaluate_ex, policy(), tokenizer, examples, args, rank, world,
+            state["evals"][tag] = {name: timed("eval", evaluate_ex, weights, tokenizer, examples, args, rank, world,
                                                f"{tag}-{name}") for name, examples in evalsets.items()}
         e = state["evals"][tag]
         log.log({"stage": "eval", "after": tag, "step": state["step"], "gstep": state["gstep"],

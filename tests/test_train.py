@@ -2,6 +2,7 @@
 python -m pytest -q tests/test_train.py"""
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -63,6 +64,15 @@ def test_torchrun_hands_every_flag_to_train_py():
         except SystemExit:
             script_args = None
         assert script_args == [flag, "x"], f"torchrun does not pass {flag} through to train.py"
+
+def test_spider_sample_is_fixed_and_skipped_without_the_folder(spider_dir, tmp_path):
+    sample = train.spider_sample(spider_dir, 5)
+    assert len(sample) == 5 and all(ex["source"] == "spider" and Path(ex["db_path"]).is_file() for ex in sample)
+    state = random.getstate()
+    random.seed(123)  # a run's seed must not change which questions are evaluated
+    assert [ex["id"] for ex in train.spider_sample(spider_dir, 5)] == [ex["id"] for ex in sample]
+    random.setstate(state)
+    assert train.spider_sample(tmp_path, 5) == []
 
 # -----------------------------------------------------------------------------
 # SFT masking
