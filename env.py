@@ -9,10 +9,12 @@ Pure Python + sqlite3, no model involved.
     >>> ep = new_episode(example, "trail", max_turns=5)
     >>> obs, done = step(ep, "<reasoning>count them</reasoning><sql>SELECT count(*) FROM singer</sql>")
 """
+import argparse
 import json
 import os
 import re
 import sqlite3
+import sys
 import threading
 import time
 from collections import Counter
@@ -479,6 +481,52 @@ def load_examples(jsonl_path) -> list[dict]:
     return examples
 
 # -----------------------------------------------------------------------------
+# command lines: every entry point reports a user's mistake as one line, `error: <what and what to do>`, exit 2
+
+
+class UserError(Exception):
+    """A wrong flag or input found before any work; the entry point's __main__ prints it with die()."""
+
+
+def die(message):
+    print("error: " + " ".join(str(message).split()), file=sys.stderr)  # one line, whatever the message holds
+    sys.exit(2)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default (unless its help already names it)."""
+
+    def _get_help_string(self, action):
+        text, d = action.help or "", action.default
+        return text if "default" in text or d is None or d is False or d == argparse.SUPPRESS else \
+            f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
+
+    def error(self, message):  # argparse's own (bad choice, bad number, missing flag) would add the usage lines
+        die(f"{message}; see --help")
+
+
+def int_at_least(low):
+    def parse(text):
+        if not text.lstrip("-").isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return int(text)
+    return parse
+
+
+positive_int, nonneg_int = int_at_least(1), int_at_least(0)  # a count; a count where 0 means off or all
+
+
+def existing_file(text):
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no file {text}; check the path")
+    return text
+
+# -----------------------------------------------------------------------------
 # protocols: prompts (after each paper's appendix, adapted to our one SQL tool), turn parsing, observations
 
 
@@ -504,7 +552,6 @@ class Protocol:
     parse_turn: Callable       # (text) -> Action
     wrap_observation: Callable # (obs_text, turns_left) -> str
     answer_action: str = "answer"
-    echo_question: bool = False  # every observation ends with the question (tiny models copy from nearby text)
 
 
 SCHEMA_MODES = ("none", "prompt", "explore_turn")
@@ -654,53 +701,20 @@ def _messages(system, user, schema, explore_call, wrap, obs_role, example, schem
     return msgs
 
 
+def _prompt(name):
+    """A paper's prompt text, data/prompts/<name>.txt (edit it there; the file's final newline is not part of it)."""
+    return (Path(__file__).resolve().parent / "data" / "prompts" / f"{name}.txt").read_text().removesuffix("\n")
+
+
 def _fill(template, **kw):
     # one pass over the template only: questions and schemas may themselves contain "{question}" or other braces
     return re.sub(r"\{(\w+)\}", lambda m: str(kw[m[1]]) if m[1] in kw else m[0], template)
 
 # --- TRUST-SQL (App. C.3): four actions, tool results come back in "tool" messages
 
-TRUST_SYSTEM = """# Role
-You are an expert SQL assistant working on an unknown database. You must never hallucinate tables or columns. All schema knowledge MUST come from metadata queries only. You must operate strictly through the Action Protocol.
-# Action Protocol
-You must follow this sequence (can loop back if needed):
-1. explore_schema - Query database metadata
-2. propose_schema - Document verified schema
-3. generate_sql - Create SQL query
-4. confirm_answer - Output final SQL
-## ACTION: explore_schema
-Used to query database metadata (tables, columns, foreign keys, etc.). Only metadata queries allowed. No user-intent SQL here. Verify relationships between tables when multi-table queries are needed.
-## ACTION: propose_schema
-Used to output the current verified schema knowledge. Include ONLY tables/columns actually verified through explore_schema. Do NOT hallucinate or assume any unverified structures. joins is optional; include only when relationships are explicitly verified.
-## ACTION: generate_sql
-Used to generate the SQL answer based on the latest <schema>. Use ONLY verified schema from propose_schema. If required tables/columns are missing, switch back to explore_schema or propose_schema in the next message. SQL must be syntactically valid and executable. Validate the SQL logic matches user intent.
-## ACTION: confirm_answer
-Used when you have validated the generated SQL and confirmed it meets user requirements. Execute this action ONLY after generate_sql validation. You MUST NOT output anything other than SQL inside <answer>.
-# Output Format
-EVERY response must follow this exact structure:
-<think>[Your reasoning process here]</think>
-<action>[one of: explore_schema || propose_schema || generate_sql || confirm_answer]</action>
-[Action-specific content below]
-explore_schema and generate_sql:
-<tool_call>
-{"name": "execute_sql_query", "arguments": {"db_id": "...", "sql": "..."}}
-</tool_call>
-propose_schema:
-<schema>
-{"tables": ["tableA"], "columns": {"tableA": ["col1", "col2"]}, "joins": []}
-</schema>
-confirm_answer:
-<answer>
-SELECT ... FROM ... WHERE ...
-</answer>
-# Tools
-{"type": "function", "function": {"name": "execute_sql_query", "description": "Execute a read-only SQLite query and return partial results with column names (maximum 30 records).", "parameters": {"type": "object", "properties": {"db_id": {"type": "string", "description": "The name of the database to query"}, "sql": {"type": "string", "description": "The SQL query to execute"}}, "required": ["db_id", "sql"]}}}"""
+TRUST_SYSTEM = _prompt("trust_system")
 
-TRUST_USER = """Task Configuration
-Database Engine: SQLite
-Database: {db_id}
-{schema}{evidence}User Question: {question}
-You have {max_turns} turns; each response is one turn."""
+TRUST_USER = _prompt("trust_user")
 
 
 def _trust_messages(example, schema_mode, max_turns):
@@ -717,34 +731,9 @@ def _wrap_trust(obs, turns_left):
 # --- SQL-Trail (App. A.3, Algorithm 1) and SkyRL-SQL (App. A): <sql> tool calls, <observation> in user messages
 
 
-SQL_AGENT_SYSTEM = """Task Overview:
-You are a {role}. Below, you are provided with a database schema and a natural language question. Your task is to understand the schema and generate a valid SQL query to answer the question within limited turns. You should breakdown the problem, draft your reasoning process, and generate the solution.
-Instructions:
-1. Make sure you only output the information that is asked in the question. If the question asks for a specific column, make sure to only include that column in the SELECT clause, nothing more.
-2. The generated query should return all of the information asked in the question without any missing or extra information.
-3. {step3}
-4. Before generating the final SQL query, reflect on the previous steps and refine any errors.
-Format:
-1. Conduct thinking inside <{think}>...</{think}> blocks every time you get new observation or information.
-2. You can use the SQL tool written within a single <sql>your sql</sql> block to explore or verify. SQL tool output will be shown as a table inside <observation>...</observation>. Based on this observation, you can think again and refine.
-3. The returned table will be truncated to 50 rows if the observation is too long.
-4. If you find no further exploration is needed or you reach the max turns, you MUST directly provide the final SQL query inside <solution>...</solution>.
-Example:
-<{think}>I count the pigs in the animals table.</{think}>
-<sql>SELECT COUNT(*) FROM animals WHERE species = 'pig';</sql>
-<observation>
-COUNT(*)
-12
-You have 4 turns left.
-</observation>
-<{think}>There are 12 pigs; this query answers the question.</{think}>
-<solution>SELECT COUNT(*) FROM animals WHERE species = 'pig';</solution>"""
+SQL_AGENT_SYSTEM = _prompt("sql_agent_system")
 
-SQL_AGENT_USER = """Database Engine: SQLite
-Database Schema:
-{schema}
-{evidence}Question: {question}
-You have {max_turns} turns; each response is one turn."""
+SQL_AGENT_USER = _prompt("sql_agent_user")
 
 
 def _sql_agent_messages(think, role, step3, example_values):
@@ -765,32 +754,9 @@ def _wrap_observation_tag(obs, turns_left):  # Algorithm 1 line 26 of SQL-Trail
 # --- MTIR-SQL (App. C): JSON <tool_call>, results in <tool_response> user messages, final SQL in <answer>
 
 
-MTIR_SYSTEM = """## Tools
-You may call one or more functions to assist with the user query. You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{"name": "sql-execute_sql_query", "description": "Execute SQL query and return partial results containing column names (maximum 10 records). Args: db_name (str): The name of the database. sql (str): The SQL query to execute. Returns: the columns and rows of the query (maximum of 10 records), or the error message.", "parameters": {"type": "object", "properties": {"db_name": {"title": "Db Name", "type": "string"}, "sql": {"title": "Sql", "type": "string"}}, "required": ["db_name", "sql"]}}
-</tools>
-For each function call, return a JSON object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call>"""
+MTIR_SYSTEM = _prompt("mtir_system")
 
-MTIR_USER = """You are a helpful SQL expert assistant. You should first think about how to write the SQL query by analyzing the question, database schema, and external knowledge, then validate your SQL with the tool until it is correct. Finally, you provide the final SQL query in <answer> </answer>.
-Task Configuration
-Database Engine: SQLite
-Database: {db_id}
-Database Schema:
-{schema}
-{evidence}User Question: {question}
-Requirements
-1. Precision: Make sure you only output the information that is asked in the question. If the question asks for a specific column, make sure to only include that column in the SELECT clause, nothing more.
-2. Completeness: The generated query should return all of the information asked in the question without any missing or extra information.
-3. Correctness: Before generating the final SQL query, please think through the steps of how to write the query. Validate your SQL through tool testing.
-You have {max_turns} turns; each response is one turn.
-Output Format:
-Important: Use EITHER thinking + tool calls OR thinking + final answer. Do not mix the structures.
-Option A (when validation needed): <think> Your analysis... </think> <tool_call> ... </tool_call>
-Option B (final answer): <think> Your final analysis... </think> <answer> YOUR_SQL_QUERY </answer>"""
+MTIR_USER = _prompt("mtir_user")
 
 
 def _mtir_messages(example, schema_mode, max_turns):
@@ -836,7 +802,7 @@ PROTOCOLS = {
                      lambda t: _parse_simple(t, "think", "tool_call", "answer", True), _wrap_mtir),
 }
 
-# --- variants (train.py --brief-prompt / --obs-rows / --echo-question): the paper prompts cost hundreds of tokens
+# --- variants (train.py --brief-prompt / --obs-rows): the paper prompts cost hundreds of tokens
 # per sequence, which the CPU demo pays on every step. A variant is registered as "<base>-..." and otherwise unchanged.
 
 BRIEF_SYSTEM = {
@@ -848,19 +814,17 @@ BRIEF_SYSTEM = {
 }
 
 
-def protocol_variant(name, brief, obs_rows, echo_question=0):
-    """Register (idempotently) and return the protocol name to use: name itself, or e.g. "trust-brief-rows10-echo"."""
-    if not brief and not obs_rows and not echo_question:
+def protocol_variant(name, brief, obs_rows):
+    """Register (idempotently) and return the protocol name to use: name itself, or e.g. "trust-brief-rows40"."""
+    if not brief and not obs_rows:
         return name
     base = PROTOCOLS[name]
-    variant = name + ("-brief" if brief else "") + (f"-rows{obs_rows}" if obs_rows else "") + \
-        ("-echo" if echo_question else "")
+    variant = name + ("-brief" if brief else "") + (f"-rows{obs_rows}" if obs_rows else "")
 
     def build_messages(example, schema_mode, max_turns):
         msgs = base.build_messages(example, schema_mode, max_turns)
         return [{"role": "system", "content": BRIEF_SYSTEM[name]}] + msgs[1:] if brief else msgs
-    PROTOCOLS[variant] = replace(base, name=variant, build_messages=build_messages, max_rows=obs_rows or base.max_rows,
-                                 echo_question=bool(echo_question))
+    PROTOCOLS[variant] = replace(base, name=variant, build_messages=build_messages, max_rows=obs_rows or base.max_rows)
     return variant
 
 # -----------------------------------------------------------------------------
@@ -940,21 +904,25 @@ def step(episode, turn_text, result: SQLResult | None = None):
         episode.done, episode.stop_reason = True, "max_turns"
     if episode.done:
         return None, True
-    echo = f"\nQuestion: {episode.example['question']}" if proto.echo_question else ""
-    return proto.wrap_observation(_cap(obs, MAX_OBS_CHARS) + echo, turns_left), False
+    return proto.wrap_observation(_cap(obs, MAX_OBS_CHARS), turns_left), False
 
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("examples", help="example JSONL file (see the README for the record format)")
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("examples", type=existing_file, help="example JSONL file (see the README for the format)")
     parser.add_argument("--protocol", default="trail", choices=sorted(PROTOCOLS))
     parser.add_argument("--schema-mode", default="prompt", choices=SCHEMA_MODES)
-    parser.add_argument("--max-turns", type=int, default=5)
-    parser.add_argument("--index", type=int, default=0, help="which example to show")
+    parser.add_argument("--max-turns", type=positive_int, default=5)
+    parser.add_argument("--index", type=nonneg_int, default=0, help="which example to show")
     args = parser.parse_args()
-    ex = load_examples(args.examples)[args.index]
+    try:
+        examples = load_examples(args.examples)
+    except (FileNotFoundError, ValueError) as e:
+        die(e)
+    if args.index >= len(examples):
+        die(f"--index {args.index}: {args.examples} has {len(examples)} examples")
+    ex = examples[args.index]
     for m in PROTOCOLS[args.protocol].build_messages(ex, args.schema_mode, args.max_turns):
         print(f"--- {m['role']}\n{m['content']}")
     print(f"--- gold SQL\n{ex['gold_sql']}\n--- result\n{format_observation(run_sql(ex['db_path'], ex['gold_sql']))}")

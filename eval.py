@@ -13,13 +13,12 @@ scorers' own conventions (query rewriting, VES timing, their files) live in data
 data/bird/prepare.py.
 
     python eval.py --model tiny --limit 20 --samples 4 --max-turns 3          # gym dev split, untrained tiny model
-    python eval.py --model out/demo-seed0/ckpt-001820 --samples 8   # a train.py checkpoint: its own protocol
+    python eval.py --model out/demo-seed0/ckpt-000042 --samples 8   # a train.py checkpoint: its own protocol
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --scoring spider --samples 8
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --spider-ts-dir ~/test-suite-database  # TS accuracy
     python eval.py --model Qwen/Qwen3-4B --data data/bird/dev.jsonl --bird-predictions out/predict_dev.json
     python eval.py --gold-as-prediction --data data/spider/dev.jsonl --scoring spider   # scorer self-check
 """
-import argparse
 import json
 import sys
 import time
@@ -33,7 +32,7 @@ from sqlglot.optimizer.scope import traverse_scope
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from env import load_examples, run_many, run_sql
+from env import ArgumentParser, die, existing_file, load_examples, nonneg_int, positive_int, run_many, run_sql
 from rewards import (MAX_BARE_JOINS, SCORE_MAX_ROWS, bare_joins, db_schema,  # db_schema: {table: {column: type}}
                      extract_schema, gold_order_matters, gold_results, is_correct)  # scoring shared with the rewards
 from data.spider.prepare import spider_hardness, spider_sql, ts_databases, write_spider_files  # test-suite rules
@@ -231,15 +230,12 @@ def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple
 
 
 def run_agent(model, tokenizer, examples, *, group_size, batch_size, desc, **rollout_kw):
-    """Trajectories (group-major, group_size per example) and wall-clock seconds per question."""
+    """Trajectories (group-major, group_size per example) and wall-clock seconds per question: one continuous batch
+    of at most batch_size rows, so a question's latency is its own rows' time, not its batch's longest row."""
     from rollout import rollout
-    per_call = max(1, batch_size // group_size)  # batch_size counts trajectories, not questions
-    trajs, latency = [], []
-    for start in tqdm(range(0, len(examples), per_call), desc=desc, unit="batch", disable=None):
-        chunk = examples[start:start + per_call]
-        t0 = time.perf_counter()
-        trajs += rollout(model, tokenizer, chunk, group_size=group_size, **rollout_kw)
-        latency += [(time.perf_counter() - t0) / len(chunk)] * len(chunk)
+    with tqdm(total=len(examples) * group_size, desc=desc, unit="traj", disable=None) as bar:
+        trajs = rollout(model, tokenizer, examples, group_size=group_size, max_rows=batch_size, bar=bar, **rollout_kw)
+    latency = [max(sum(t.turn_times) for t in trajs[i * group_size:(i + 1) * group_size]) for i in range(len(examples))]
     return trajs, latency
 
 
@@ -402,13 +398,13 @@ def _one_line(example: dict | None, width: int = 90) -> str:
 # CLI
 
 ROLLOUT_FLAGS = dict(protocol="trust", schema_mode="none", max_turns=15, max_new_tokens=1024, max_total_tokens=16384)
-TRAINED_FLAGS = ("protocol", "brief_prompt", "obs_rows", "echo_question", "schema_mode", "max_turns", "max_new_tokens",
+TRAINED_FLAGS = ("protocol", "brief_prompt", "obs_rows", "schema_mode", "max_turns", "max_new_tokens",
                  "max_total_tokens")
 
 
 def trained_settings(model_path) -> dict:
     """The flags that fix what a train.py checkpoint has seen, from its state.json ({} for anything else): the base
-    protocol, the demo's prompt variant (brief_prompt, obs_rows, echo_question), schema mode, turn and token limits.
+    protocol, the demo's prompt variant (brief_prompt, obs_rows), schema mode, turn and token limits.
     eval.py and `train.py --model <checkpoint>` default to them: the CPU demo's model has never seen the full trust
     prompt, and scores ~0 % in it."""
     state = Path(model_path) / "state.json"
@@ -417,7 +413,7 @@ def trained_settings(model_path) -> dict:
     saved = json.loads(state.read_text()).get("args")
     if not isinstance(saved, dict) or not set(TRAINED_FLAGS) <= set(saved):
         return {}  # some other tool's state.json
-    # train.py saves the registered variant name ("trust-brief-rows3-echo"); the flags above rebuild it
+    # train.py saves the registered variant name ("trust-brief-rows40"); the flags above rebuild it
     return {k: saved[k] for k in TRAINED_FLAGS} | {"protocol": saved["protocol"].split("-")[0]}
 
 
@@ -428,21 +424,19 @@ def output_name(model: str, protocol: str, schema_mode: str, data) -> str:
     return "-".join([Path(model.rstrip("/")).name, protocol, schema_mode, data.resolve().parent.name, data.stem])
 
 
-def fail(message: str):
-    """A user error: one line on stderr, exit status 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="checkpoint folder, 'tiny' or a Hugging Face id")
-    parser.add_argument("--data", default=None, help="examples JSONL (default: the gym dev split, built if missing)")
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2", help="checkpoint folder, 'smollm2' (the demo's model), "
+                        "'tiny' (the test model) or a Hugging Face id")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights during evaluation (bf16: "
+                        "what train.py rolls out with)")
+    parser.add_argument("--data", type=existing_file, default=None,
+                        help="examples JSONL (default: the gym dev split, built if missing)")
     # these five default to what a train.py checkpoint was trained with, else to ROLLOUT_FLAGS
     parser.add_argument("--protocol", default=None, choices=["trust", "trail", "mtir", "skyrl"])
     parser.add_argument("--schema-mode", default=None, choices=["none", "prompt", "explore_turn"])
-    parser.add_argument("--max-turns", type=int, default=None)
-    parser.add_argument("--samples", type=int, default=8, help="K for maj@K and pass@k; 1 = greedy only")
+    parser.add_argument("--max-turns", type=positive_int, default=None)
+    parser.add_argument("--samples", type=positive_int, default=8, help="K for maj@K and pass@k; 1 = greedy only")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (greedy uses 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--scoring", default=None, choices=SCORINGS,
@@ -450,12 +444,13 @@ if __name__ == "__main__":
                              "DISTINCT kept, order only for an outermost ORDER BY (default: spider for Spider data)")
     parser.add_argument("--spider-ts-dir", default=None,
                         help="test-suite databases (one folder per db_id): correct = matches on each of them")
-    parser.add_argument("--ves-runs", type=int, default=100, help="timed runs per correct answer for bird's VES "
+    parser.add_argument("--ves-runs", type=nonneg_int, default=100, help="timed runs per correct answer for bird's VES "
                         "(100 as BIRD's script; 0 = no VES)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn")
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="per trajectory, prompt included")
-    parser.add_argument("--batch-size", type=int, default=16, help="trajectories per rollout call")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="per assistant turn")
+    parser.add_argument("--max-total-tokens", type=positive_int, default=None, help="per trajectory, prompt included")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="trajectories decoded at once (continuous "
+                        "batching: a finished one's slot goes to the next)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="evaluate only the first N questions")
     parser.add_argument("--exec-timeout", type=float, default=30.0, help="seconds per scoring query")
     parser.add_argument("--name", default=None, help="output folder name under --out-dir")
     parser.add_argument("--out-dir", default="out/eval")
@@ -466,11 +461,16 @@ if __name__ == "__main__":
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if not args.gold_as_prediction:
+        from model import load_model, resolve
+        try:  # before any work: a missing folder, a Hub id neither cached nor reachable, smollm2's one-time fetch
+            resolve(args.model)
+        except (OSError, RuntimeError) as e:
+            die(e)
     trained = trained_settings(args.model)
     if trained and args.protocol is None:  # the checkpoint's own prompt variant; an explicit --protocol is used as is
-        from env import protocol_variant  # registers e.g. "trust-brief-rows3-echo" in env.PROTOCOLS
-        args.protocol = protocol_variant(trained["protocol"], trained["brief_prompt"], trained["obs_rows"],
-                                         trained["echo_question"])
+        from env import protocol_variant  # registers e.g. "trust-brief-rows40" in env.PROTOCOLS
+        args.protocol = protocol_variant(trained["protocol"], trained["brief_prompt"], trained["obs_rows"])
     for key, default in ROLLOUT_FLAGS.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, default))
@@ -480,25 +480,23 @@ if __name__ == "__main__":
 
     ts_dir = args.spider_ts_dir
     if ts_dir and not Path(ts_dir).is_dir():
-        fail(f"--spider-ts-dir {ts_dir} is not a folder; pass the test-suite's database folder (one folder of "
-             ".sqlite files per db_id)")
+        die(f"--spider-ts-dir {ts_dir} is not a folder; pass the test-suite's database folder (one folder of "
+            ".sqlite files per db_id)")
     if ts_dir and args.scoring == "bird":
-        fail("--spider-ts-dir needs --scoring spider or spider-strict")
-    if args.ves_runs < 0:
-        fail(f"--ves-runs must be >= 0, got {args.ves_runs}")
+        die("--spider-ts-dir needs --scoring spider or spider-strict")
     if args.data is None:
         from data.gym.prepare import ensure_gym
         args.data = str(ensure_gym(seed=0) / "dev.jsonl")
     try:
         examples = load_examples(args.data)[:args.limit]
     except (FileNotFoundError, ValueError) as e:
-        fail(f"{e}; pass --data an examples JSONL written by a data/*/prepare.py")
+        die(f"{e}; pass --data an examples JSONL written by a data/*/prepare.py")
     spider_data = ts_dir or all(ex.get("source") == "spider" for ex in examples)
     scoring = args.scoring or ("spider" if spider_data else "bird")
     missing = sorted({ex["db_id"] for ex in examples if ts_dir and not ts_databases(ex, ts_dir)})
     if missing:
-        fail(f"--spider-ts-dir {ts_dir} has no .sqlite files for {len(missing)} database(s), e.g. {missing[0]}; "
-             "pass the folder that holds one folder per db_id")
+        die(f"--spider-ts-dir {ts_dir} has no .sqlite files for {len(missing)} database(s), e.g. {missing[0]}; "
+            "pass the folder that holds one folder per db_id")
 
     if args.gold_as_prediction:
         ok, _, golds = score(examples, [ex["gold_sql"] for ex in examples], scoring, args.exec_timeout, ts_dir=ts_dir)
@@ -508,10 +506,12 @@ if __name__ == "__main__":
         sys.exit(0)
 
     import torch
-    from model import load_model
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, seed=args.seed)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    try:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, seed=args.seed)
+    except ValueError as e:  # e.g. a tokenizer without a chat template
+        die(e)
     if model.config._attn_implementation not in ("sdpa", "eager"):
         model.set_attn_implementation("sdpa")  # rollout's batched rows need per-row attention masks
     name = args.name or output_name(args.model, args.protocol, args.schema_mode, args.data)

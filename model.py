@@ -140,15 +140,31 @@ def smollm2_folder(cache=None, quiet=False):
 
 
 def resolve(name_or_path):
-    """--model: "smollm2", a local folder, or a Hub id. A missing local path is an error here, not a Hub lookup."""
-    if name_or_path == "smollm2":
-        return str(smollm2_folder())
+    """--model: "smollm2", "tiny", a local folder, or a Hub id. A missing local path is an error here, not a Hub lookup;
+    a Hub id that is neither cached nor reachable fails at once (from_pretrained would retry for a minute)."""
+    if name_or_path in ("smollm2", "tiny"):
+        return str(smollm2_folder()) if name_or_path == "smollm2" else name_or_path
     path = Path(name_or_path).expanduser()
     if path.exists():
         return str(path)
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
         raise FileNotFoundError(f"model folder {name_or_path} does not exist: pass smollm2, a save_pretrained folder "
                                 "or a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct")
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    try:
+        if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            return name_or_path  # in the local cache: loads without the network
+        model_info(name_or_path, timeout=10)
+    except (RepositoryNotFoundError, ValueError):  # ValueError: not a valid repo id
+        raise FileNotFoundError(f"{name_or_path} is neither a local folder nor a model on the Hugging Face Hub; "
+                                "check the name (a private model needs `hf auth login`)") from None
+    except HfHubHTTPError:
+        pass  # the Hub answered: from_pretrained says what else it needs
+    except Exception as e:  # offline mode, DNS, refused, timed out
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else type(e).__name__
+        raise ConnectionError(f"{name_or_path} is not a local folder, not in the Hugging Face cache, and the Hub is "
+                              f"unreachable ({why}): connect once to download it, or pass a local folder") from None
     return name_or_path
 
 

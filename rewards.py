@@ -247,8 +247,10 @@ def skyrl_reward(outcome: str, format_ok: bool) -> float:
 # format: per-turn validity comes from env's parse_turn (Action.valid), the single place that knows the tags
 
 def format_trust(episode) -> float:
-    """TRUST-SQL eq. 2: 0.1 iff every turn is valid, all four actions appear and no observation is an error."""
-    names = {a.name for a in episode.actions}
+    """TRUST-SQL eq. 2: 0.1 iff every turn is valid, all four actions appear and no observation is an error.
+    In schema_mode explore_turn the prompt already holds an explore_schema turn (not sampled, so not in actions)."""
+    prefilled = {"explore_schema"} if episode.schema_mode == "explore_turn" else set()
+    names = {a.name for a in episode.actions} | prefilled
     four = {"explore_schema", "propose_schema", "generate_sql", "confirm_answer"}
     ok = all(episode.turn_valid) and four <= names and all(e is None for e in episode.exec_errors)
     return 0.1 if ok else 0.0
@@ -297,16 +299,19 @@ def schema_jaccard(pred_items: set, gold_items: set) -> float:
     return len(pred_items & gold_items) / len(union) if union else 0.0
 
 
-LEVELS = {"easy": "simple", "simple": "simple", "medium": "medium", "moderate": "medium",
-          "hard": "hard", "challenging": "hard", "extra": "hard"}
+# every dataset's labels: Spider and the gym (easy/medium/hard/extra), BIRD (simple/moderate/challenging), SynSQL
+# (Simple/Moderate/Complex/Highly Complex). "unknown" (a record without a label) gets the hard rule: no reward for
+# being fast unless correct, the one rule that cannot pay a wrong answer.
+LEVELS = {"easy": "simple", "simple": "simple", "medium": "medium", "moderate": "medium", "hard": "hard",
+          "challenging": "hard", "extra": "hard", "complex": "hard", "highly complex": "hard", "unknown": "hard"}
 
 
 def turn_reward(difficulty: str, turns: int, exec_ok: bool, budget: int) -> float:
     """SQL-Trail eq. 7: 1 if simple and t<=2, medium and t<=3, or hard/extra and correct and t<T; else 0.
-    Spider labels (easy/medium/hard/extra) and BIRD labels (simple/moderate/challenging) are both accepted."""
-    if difficulty not in LEVELS:
-        raise ValueError(f"unknown difficulty {difficulty!r}; expected one of {sorted(LEVELS)}")
-    level = LEVELS[difficulty]
+    Labels of every dataset we load are accepted, in any case (LEVELS)."""
+    level = LEVELS.get(str(difficulty).strip().lower())
+    if level is None:
+        raise ValueError(f"unknown difficulty {difficulty!r}; expected one of {sorted(LEVELS)} (any case)")
     if level == "simple":
         return float(turns <= 2)
     if level == "medium":

@@ -14,9 +14,11 @@ How the engine works:
 - Each step is one decode forward over all active rows, one token each. Tokens that have to go in before it (the
   prompt; after a tool call the template's end-of-turn tokens, the observation message and the generation prompt)
   are prefilled first for just the rows that have them, batched by similar length. Padded chunks write their pads
-  to slots past the row's length, which no real token ever attends to. The G rows of one example share their
-  prompt: it is prefilled once and its keys/values copied.
-- Rows whose episode is over are index-selected out of the cache, so they stop costing compute.
+  to slots past the row's length, which no real token ever attends to. The system message every prompt starts
+  with is prefilled once and its keys/values copied into each row.
+- Continuous batching: at most max_rows rows decode at once. A finished row's slot is handed to the next waiting
+  row; once none wait, a finished row's slot decodes pads until a quarter of the slots are dead, and then they are
+  index-selected out of the cache (each compaction copies the whole cache, so it is not done per finished row).
 - Sampling: temperature + top-p from a torch.Generator seeded with `seed`; greedy at temperature 0.
   sample_logprobs = log_softmax(logits / T) of the sampled token over the FULL vocabulary (log_softmax(logits) at
   T = 0): what a trainer recomputes "at the sampling temperature". With top_p < 1 the token is drawn from the
@@ -27,7 +29,6 @@ How the engine works:
   the Episode as an "invalid" action, so episode.actions keeps one entry per sampled turn. The SQL-Trail style
   "this is your last turn" hint is part of env's wrap_observation.
 """
-import argparse
 import os
 import time
 from dataclasses import dataclass, field
@@ -152,11 +153,13 @@ class SlotCache:
             k, v = k.index_select(0, self.subset), v.index_select(0, self.subset)
         return k, v
 
-    def copy_prefix(self, src, dst, n):  # rows dst get the first n slots of rows src
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :n], v[dst, :, :n] = k[src, :, :n], v[src, :, :n]
-        for s, d in zip(src.tolist(), dst.tolist()):
-            self.lens[d] = self.lens[s]
+    def copy_prefix(self, src, dst, n, src_cache=None):  # rows dst get the first n slots of rows src
+        src_cache = src_cache or self
+        self.reserve(n)
+        for k, v, sk, sv in zip(self.k, self.v, src_cache.k, src_cache.v):
+            k[dst, :, :n], v[dst, :, :n] = sk[src, :, :n].to(k.device), sv[src, :, :n].to(v.device)
+        for d in dst.tolist():
+            self.lens[d] = n
 
     def keep(self, index):  # index: (A',) rows to keep, in order
         self.k = [k.index_select(0, index) for k in self.k]
@@ -283,10 +286,13 @@ def get_protocol(protocol):
 
 @torch.inference_mode()
 def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_new_tokens, max_total_tokens,
-            temperature, top_p, schema_mode, seed, force=None, sql_workers=4):
+            temperature, top_p, schema_mode, seed, force=None, sql_workers=4, max_rows=None, bar=None):
     """Roll out group_size episodes per example; returns Trajectories group-major (example i -> rows i*G..i*G+G-1).
-    force: optional test/benchmark hook (row, turn, tokens sampled so far this turn) -> token id or None; a token
-    overrides the sampled one (a scripted policy), and its recorded log-prob is still the model's log-prob of it."""
+    max_rows: at most this many rows decode at once; a finished row's cache slot goes to the next waiting row
+    (continuous batching), so a batch never waits for its longest row while others queue. bar: a tqdm advanced by
+    one per finished row. force: optional test/benchmark hook (row, turn, tokens sampled so far this turn) -> token
+    id or None; a token overrides the sampled one (a scripted policy), and its recorded log-prob is still the
+    model's log-prob of it."""
     if model.config._attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"rollout needs attn_implementation 'sdpa' or 'eager' (per-row masks), not "
                          f"{model.config._attn_implementation!r}: call model.set_attn_implementation('sdpa')")
@@ -308,49 +314,53 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             rows.append(_Row(traj, list(prompt), len(prompt), t0))
             if len(prompt) >= max_total_tokens:
                 _finish(rows[-1], "context")
-    active = [r for r, row in enumerate(rows) if not row.traj.stop_reason]
+    waiting = [r for r, row in enumerate(rows) if not row.traj.stop_reason][::-1]  # popped from the end
     # under autocast (fp32 weights, bf16 compute) the cache and the mask take the compute dtype
     device_type = param.device.type
     autocast = torch.is_autocast_enabled(device_type)
-    cache = SlotCache(model, len(active), param.device,
-                      torch.get_autocast_dtype(device_type) if autocast else param.dtype)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else param.dtype
+    cache = SlotCache(model, min(len(waiting), max_rows or len(waiting)), param.device, dtype)
     pad = tokenizer.pad_token_id
 
-    # --- every prompt starts with the same system message: prefill that once and copy it to every row. Then the
-    # rows of one example share the rest of their prompt: prefill it once, copy its keys/values to the sibling rows
-    first = {}
-    for i, r in enumerate(active):
-        first.setdefault(rows[r].traj.group, i)
-    heads = [rows[active[i]].feed for i in first.values()]
-    shared = min(len(os.path.commonprefix(heads)), min(map(len, heads), default=1) - 1) if heads else 0
+    # --- every prompt starts with the same system message: prefill it once into a one-row cache; each row's slot
+    # starts as a copy of it, and the rest of the row's prompt is prefilled with the other rows' feeds
+    prompts = [rows[r].feed for r in waiting]
+    shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts), default=1) - 1) if prompts else 0
+    head = SlotCache(model, 1, param.device, dtype)
     if shared > 1:
-        forward_chunks(model, cache, [heads[0][:shared]], pad, rows=[0], logits=False)
-        everyone = torch.arange(len(active), device=param.device)
-        cache.copy_prefix(torch.zeros_like(everyone), everyone, shared)
+        forward_chunks(model, head, [prompts[0][:shared]], pad, logits=False)
     else:
         shared = 0
-    prefill(model, cache, {i: rows[active[i]].feed[shared:] for i in first.values()}, pad)
-    if active:
-        src = torch.tensor([first[rows[r].traj.group] for r in active], device=param.device)
-        cache.copy_prefix(src, torch.arange(len(active), device=param.device), max(cache.lens))
-    for r in active:
-        rows[r].feed = rows[r].feed[-1:]
+
+    def admit(slot):
+        """The next waiting row takes cache slot `slot` (its old keys stay behind its length, masked)."""
+        r = waiting.pop()
+        cache.copy_prefix(torch.zeros(1, dtype=torch.long, device=param.device),
+                          torch.tensor([slot], device=param.device), shared, src_cache=head)
+        rows[r].feed, rows[r].turn_t0 = rows[r].feed[shared:], time.perf_counter()
+        return r
+
+    active = [admit(slot) for slot in range(cache.shape[0])]
 
     while active:
-        # --- observations waiting to be fed go in as prefill batches; then one decode step for every row
-        prefill(model, cache, {i: rows[r].feed for i, r in enumerate(active)}, pad)
-        logits = forward_chunks(model, cache, [rows[r].feed[-1:] for r in active], pad)  # (A, V)
-        tokens, logp = sample(logits, temperature, top_p, generator)
+        # --- observations waiting to be fed go in as prefill batches; then one decode step for every slot (a dead
+        # slot, None, decodes a pad at position 0 until the next compaction: cheaper than compacting every time)
+        live = [(i, r) for i, r in enumerate(active) if r is not None]
+        for i in set(range(len(active))) - {i for i, _ in live}:
+            cache.lens[i] = 0  # a dead slot's pad never raises the kv length every row attends over
+        prefill(model, cache, {i: rows[r].feed for i, r in live}, pad)
+        logits = forward_chunks(model, cache, [[pad] if r is None else rows[r].feed[-1:] for r in active], pad)
+        tokens, logp = sample(logits, temperature, top_p, generator)  # (A,), (A, V)
         tokens = tokens.tolist()
         if force is not None:
-            forced = [force(r, rows[r].traj.num_turns, rows[r].traj.token_ids[rows[r].turn_start:])
-                      for r in active]
-            tokens = [t if f is None else f for t, f in zip(tokens, forced)]
+            for i, r in live:
+                forced = force(r, rows[r].traj.num_turns, rows[r].traj.token_ids[rows[r].turn_start:])
+                tokens[i] = tokens[i] if forced is None else forced
         token_logp = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
 
         # --- append the sampled token; decide per row: keep decoding, end the turn, or hit a limit
         ended = []
-        for i, r in enumerate(active):
+        for i, r in live:
             row, token = rows[r], tokens[i]
             traj = row.traj
             _append(traj, [token], traj.num_turns, loss=1, logprobs=[token_logp[i]])
@@ -387,9 +397,18 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             else:
                 row.feed, row.turn_start, row.turn_t0 = [last] + extra, len(traj.token_ids), time.perf_counter()
 
-        # --- compact: finished rows leave the cache
-        keep = [i for i, r in enumerate(active) if not rows[r].traj.stop_reason]
-        if len(keep) < len(active):
+        # --- a finished row hands its slot to a waiting row; with none waiting the slot dies, and once a quarter of
+        # the slots are dead they leave the cache (each compaction copies the whole cache)
+        for i, r in live:
+            if rows[r].traj.stop_reason:
+                if bar is not None:
+                    bar.update(1)
+                if waiting:
+                    active[i] = admit(i)
+                else:
+                    active[i], cache.lens[i] = None, 0
+        keep = [i for i, r in enumerate(active) if r is not None]
+        if len(keep) <= 0.75 * len(active):
             active = [active[i] for i in keep]
             if active:
                 cache.keep(torch.tensor(keep, device=param.device))
@@ -398,16 +417,19 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help='"tiny" or a Hugging Face id / local folder')
-    parser.add_argument("--data", default=None, help="examples JSONL (default: the gym's dev split)")
+    parser = env.ArgumentParser(description=__doc__)
+    pos = env.positive_int
+    parser.add_argument("--model", default="smollm2", help='"smollm2" (the demo\'s model), "tiny" (the test model), a '
+                        'Hugging Face id or a local folder')
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights while rolling out")
+    parser.add_argument("--data", type=env.existing_file, default=None, help="examples JSONL (default: gym dev)")
     parser.add_argument("--protocol", default="trust", choices=sorted(env.PROTOCOLS))
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES)
-    parser.add_argument("--num-examples", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--max-turns", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--max-total-tokens", type=int, default=4096)
+    parser.add_argument("--num-examples", type=pos, default=4)
+    parser.add_argument("--group-size", type=pos, default=2)
+    parser.add_argument("--max-turns", type=pos, default=5)
+    parser.add_argument("--max-new-tokens", type=pos, default=256)
+    parser.add_argument("--max-total-tokens", type=pos, default=4096)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -417,8 +439,12 @@ if __name__ == "__main__":
     if args.data is None:
         from data.gym.prepare import ensure_gym
         args.data = str(ensure_gym() / "dev.jsonl")
-    model, tokenizer = load_model(args.model, device=args.device)
-    examples = env.load_examples(args.data)[:args.num_examples]
+    try:  # a user's --model or --data that cannot load: one line, not a traceback
+        examples = env.load_examples(args.data)[:args.num_examples]
+        model, tokenizer = load_model(args.model, device=args.device,
+                                      dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    except (OSError, RuntimeError, ValueError) as e:
+        env.die(e)
     t0 = time.perf_counter()
     trajs = rollout(model, tokenizer, examples, args.protocol, group_size=args.group_size, max_turns=args.max_turns,
                     max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,

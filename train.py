@@ -8,10 +8,10 @@ Train a text-to-SQL agent: SFT warm-up on multi-turn trajectories, then multi-tu
     torchrun --nproc_per_node=8 train.py --recipe trust --model Qwen/Qwen3-4B --data ... --fsdp
 
 A recipe (--recipe trust|trail|mtir|skyrl) is a dict of flag defaults taken from its paper; explicit flags win.
-Checkpoints (out/<run-name>/ckpt-XXXXXX) are save_pretrained folders plus optimizer/scheduler/RNG/data position;
---resume continues the latest one exactly.
+Checkpoints (out/<run-name>/ckpt-XXXXXX; the default run name is run-<date>-<time>) are save_pretrained folders plus
+optimizer/scheduler/RNG/data position; --resume continues the latest one exactly. A new run refuses a folder that
+holds checkpoints (pass --resume, another --run-name or --overwrite): it never deletes what it did not write.
 """
-import argparse
 import copy
 import functools
 import json
@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import sys
+import textwrap
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
 from eval import trained_settings  # noqa: E402
-from model import load_model  # noqa: E402
+from model import load_model, resolve  # noqa: E402
+from rewards import REWARDS  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
@@ -44,10 +46,12 @@ hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleav
 # recipes: plain dicts of flag defaults from each paper (explicit flags override them)
 
 RECIPES = {
-    # TRUST-SQL §3.4, App. A.3/B: dual-track with λ=0.25, 10 turns, G=8, clip-higher 0.28, keep pass rate < 6/8
+    # TRUST-SQL §3.4, §5.1 and Table 8: dual-track λ=0.25, 10 turns, G=8; App. A.3: keep pass rate < 6/8.
+    # The clip range is not in any of the four papers (SQL-Trail eq. 4 only says ε_low < ε_high): 0.2 / 0.28 are
+    # DAPO's values (Yu et al. 2025), our choice for every clip-higher recipe
     "trust": dict(protocol="trust", reward="trust", schema_lambda=0.25, max_turns=10, group_size=8,
                   eps_low=0.2, eps_high=0.28, traj_filter=False),
-    # SQL-Trail §4.1, A.5: six-term panel (single track), 10 turns, G=6, clip-higher, no KL, top-p 0.99, T=1
+    # SQL-Trail §3.1 (clip-higher, no KL), A.5: six-term panel (single track), 10 turns, G=6, top-p 0.99, T=1
     "trail": dict(protocol="trail", reward="trail", schema_lambda=0.0, max_turns=10, group_size=6,
                   eps_low=0.2, eps_high=0.28, traj_filter=False, top_p=0.99, temperature=1.0),
     # MTIR-SQL: trajectory filter, no KL, 6 turns, G=5
@@ -62,9 +66,9 @@ RECIPES = {
 # pays for. The teacher lists the tables (40 observation rows: the gym's largest database has 39), reads the CREATE
 # TABLE of the ones it needs and answers, with no value probes or distractor tables.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=8,
-            max_new_tokens=160, max_total_tokens=2048, sft_steps=40, sft_batch_size=4, micro_batch_size=4,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=8, rl_batch_size=4, rl_lr=2e-6, filter_k=4, filter_limit=64,
-            filter_drop_unsolved=1, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
+            max_new_tokens=160, max_total_tokens=2048, sft_steps=32, sft_batch_size=4, micro_batch_size=4,
+            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=6, rl_batch_size=4, group_size=4, rl_lr=1e-5, filter_k=0,
+            filter_limit=0, filter_drop_unsolved=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
              rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2, teacher_limit=16, eval_limit=4, eval_every=0,
@@ -72,75 +76,78 @@ QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0
              filter_drop_unsolved=0, run_name="quick")
 
 
-def get_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def get_parser(add_help=True):
+    p = env.ArgumentParser(description=__doc__, add_help=add_help)
     a = p.add_argument
-    a("--stage", default="both", choices=["sft", "rl", "both"])
-    a("--recipe", default="trust", choices=sorted(RECIPES))
+    pos, nonneg, file = env.positive_int, env.nonneg_int, env.existing_file  # argparse types: an error is one line
+    a("--stage", default="both", choices=["sft", "rl", "both"], help="which stages to run")
+    a("--recipe", default="trust", choices=sorted(RECIPES), help="a paper's settings (RECIPES)")
     a("--model", default="smollm2", help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
     a("--dtype", default="bf16", choices=["bf16", "fp32"], help="bf16: fp32 master weights and optimizer, bf16 "
       "compute (autocast), rollouts from a bf16 copy of the weights")
-    a("--data", default=None, help="RL training examples JSONL (default: the gym's train split)")
-    a("--sft-data", default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
-    a("--dev-data", default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
-    a("--test-data", default=None, help="test examples JSONL evaluated at the end (default: gym test)")
+    a("--data", type=file, default=None, help="RL training examples JSONL (default: the gym's train split)")
+    a("--sft-data", type=file, default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
+    a("--dev-data", type=file, default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
+    a("--test-data", type=file, default=None, help="test examples JSONL evaluated at the end (default: gym test)")
     a("--spider-dir", default=str(ROOT.parent / "shared" / "data" / "spider"), help="Spider (dev.json, database/) "
       "for a fixed sample of dev questions evaluated with dev and test; skipped with a note when missing")
-    a("--spider-limit", type=int, default=0, help="Spider dev questions in that sample (0 = no Spider eval)")
-    a("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"])
-    a("--reward", default="trust", help="key of rewards.REWARDS")
-    a("--schema-mode", default="none", help="none (unknown schema) or explore_turn (schema prefilled)")
+    a("--spider-limit", type=nonneg, default=0, help="Spider dev questions in that sample (0 = no Spider eval)")
+    a("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"], help="agent turn format (env.py)")
+    a("--reward", default="trust", choices=sorted(REWARDS), help="reward recipe (rewards.REWARDS)")
+    a("--schema-mode", default="none", choices=env.SCHEMA_MODES, help="none: unknown schema (the papers)")
     a("--brief-prompt", type=int, default=0, help="1 = a short system prompt instead of the paper's (CPU demo)")
-    a("--echo-question", type=int, default=0, help="1 = every observation ends with the question (CPU demo)")
-    a("--obs-rows", type=int, default=0, help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
-    a("--teacher-probes", type=int, default=2, help="filtered columns whose values the teacher probes")
-    a("--teacher-distractors", type=int, default=1, help="extra tables whose schema the teacher reads")
+    a("--obs-rows", type=nonneg, default=0, help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
+    a("--teacher-probes", type=nonneg, default=2, help="filtered columns whose values the teacher probes")
+    a("--teacher-distractors", type=nonneg, default=1, help="extra tables whose schema the teacher reads")
     a("--teacher-list-tables", type=int, default=1, help="0: the teacher skips listing tables (shorter)")
     # lengths and sampling
-    a("--max-turns", type=int, default=10)
-    a("--max-new-tokens", type=int, default=2048, help="per assistant turn")
-    a("--max-total-tokens", type=int, default=16384, help="whole trajectory (prompt + turns + observations)")
-    a("--temperature", type=float, default=1.0)
-    a("--top-p", type=float, default=1.0)
+    a("--max-turns", type=pos, default=10, help="assistant turns per episode")
+    a("--max-new-tokens", type=pos, default=2048, help="per assistant turn")
+    a("--max-total-tokens", type=pos, default=16384, help="whole trajectory (prompt + turns + observations)")
+    a("--temperature", type=float, default=1.0, help="sampling temperature of RL rollouts (eval is greedy)")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling of RL rollouts")
     # SFT
-    a("--sft-steps", type=int, default=150, help="TRUST: 9.2k questions x 2 epochs / batch 256")
-    a("--sft-batch-size", type=int, default=128, help="trajectories per step, all ranks together")
-    a("--sft-lr", type=float, default=1e-5)
-    a("--teacher-limit", type=int, default=0, help="teacher trajectories from the first N examples (0 = all)")
+    a("--sft-steps", type=pos, default=150, help="TRUST: 9.2k questions x 2 epochs / batch 256")
+    a("--sft-batch-size", type=pos, default=128, help="trajectories per step, all ranks together")
+    a("--sft-lr", type=float, default=1e-5, help="peak SFT learning rate")
+    a("--teacher-limit", type=nonneg, default=0, help="teacher trajectories from the first N examples (0 = all)")
     # RL
-    a("--rl-steps", type=int, default=200)
-    a("--rl-batch-size", type=int, default=32, help="prompts per step, all ranks together (x group size rollouts)")
-    a("--rl-lr", type=float, default=1e-6)
-    a("--group-size", type=int, default=8)
+    a("--rl-steps", type=pos, default=200, help="GRPO steps")
+    a("--rl-batch-size", type=pos, default=32, help="prompts per step, all ranks together (x group size rollouts)")
+    a("--rl-lr", type=float, default=1e-6, help="peak RL learning rate")
+    a("--group-size", type=pos, default=8, help="rollouts per prompt (G)")
     a("--schema-lambda", type=float, default=0.25, help="weight of TRUST's schema track (0 = single track)")
-    a("--eps-low", type=float, default=0.2)
-    a("--eps-high", type=float, default=0.28)
+    a("--eps-low", type=float, default=0.2, help="PPO clip below 1")
+    a("--eps-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher)")
     a("--traj-filter", type=int, default=0, help="MTIR trajectory filter: drop truncated / unfinished rollouts")
     a("--dynamic-sampling", type=int, default=0, help="1: leave groups with equal rewards out of the update (DAPO)")
-    a("--ppo-epochs", type=int, default=1, help="updates per batch of rollouts (>1 makes the clip matter)")
+    a("--ppo-epochs", type=pos, default=1, help="updates per batch of rollouts (>1 makes the clip matter)")
     a("--filter-pass-rate", type=float, default=0.75, help="keep questions with pass rate below this (TRUST <6/8)")
     a("--filter-drop-unsolved", type=int, default=0, help="1: also drop pass rate 0 (SQL-Trail's hard-but-solvable)")
-    a("--filter-k", type=int, default=8, help="rollouts per question for the difficulty filter (0 = no filter)")
-    a("--filter-limit", type=int, default=0, help="candidate questions for the filter (0 = all)")
+    a("--filter-k", type=nonneg, default=8, help="rollouts per question for the difficulty filter (0 = no filter)")
+    a("--filter-limit", type=nonneg, default=0, help="candidate questions for the filter (0 = all)")
     # optimisation
-    a("--warmup-ratio", type=float, default=0.1)
-    a("--weight-decay", type=float, default=0.01)
-    a("--grad-clip", type=float, default=1.0)
-    a("--micro-batch-size", type=int, default=0, help="sequences per forward (0 = whole local batch)")
+    a("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
+    a("--grad-clip", type=float, default=1.0, help="max gradient norm")
+    a("--micro-batch-size", type=nonneg, default=0, help="sequences per forward (0 = whole local batch)")
     # eval, checkpoints, logging
-    a("--eval-every", type=int, default=0, help="RL steps between dev evals (0 = only after each stage)")
-    a("--eval-limit", type=int, default=0, help="dev/test examples per eval (0 = all)")
-    a("--eval-batch-size", type=int, default=64, help="trajectories decoded together in eval")
-    a("--ckpt-every", type=int, default=50)
-    a("--keep-ckpts", type=int, default=2)
-    a("--resume", action="store_true", help="continue the latest checkpoint in out/<run-name>")
-    a("--stop-after", type=int, default=0, help="exit right after the checkpoint at this global step (tests)")
-    a("--out-dir", default=str(ROOT / "out"))
-    a("--run-name", default="demo", help="run directory under --out-dir (torchrun claims --run for itself)")
-    a("--seed", type=int, default=0)
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--eval-every", type=nonneg, default=0, help="RL steps between dev evals (0 = only after each stage)")
+    a("--eval-limit", type=nonneg, default=0, help="dev/test examples per eval (0 = all)")
+    a("--eval-batch-size", type=pos, default=64, help="trajectories decoded together in eval")
+    a("--ckpt-every", type=nonneg, default=50, help="0 = only at the end of each stage")
+    a("--keep-ckpts", type=nonneg, default=2, help="0 = all")
+    a("--resume", action="store_true", help="continue the latest checkpoint in --out-dir/--run-name")
+    a("--stop-after", type=nonneg, default=0, help="exit right after the checkpoint at this global step (tests)")
+    a("--out-dir", default=str(ROOT / "out"), help="runs go to <out-dir>/<run-name>")
+    a("--run-name", default=None, help="run directory under --out-dir (default: run-<date>-<time>; torchrun claims "
+      "--run for itself)")
+    a("--overwrite", action="store_true", help="a new run may replace the checkpoints in --run-name's folder (never "
+      "the one --model loads: a --model inside that folder is refused)")
+    a("--seed", type=int, default=0, help="data order, rollouts and the tiny model's init")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (torchrun: per rank)")
     a("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of DDP")
-    a("--wandb", action="store_true")
+    a("--wandb", action="store_true", help="also log to Weights & Biases")
     a("--quick", action="store_true", help="a few steps of each stage (smoke test)")
     return p
 
@@ -149,7 +156,7 @@ def get_args(argv=None):
     """Parse once for --recipe/--model/--quick, make their presets the defaults, parse again: explicit flags win.
     A train.py checkpoint as --model brings the prompt variant and limits it was trained in (eval.trained_settings)."""
     parser = get_parser()
-    first, _ = parser.parse_known_args(argv)
+    first, _ = get_parser(add_help=False).parse_known_args(argv)  # --help waits for the presets: it shows them
     parser.set_defaults(**RECIPES[first.recipe])
     if first.model == "smollm2":
         parser.set_defaults(**DEMO)
@@ -359,8 +366,9 @@ def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, stat
     torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")  # every rank its own stream
     barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # atomic: a kill leaves either the old set or the complete new one
+        # atomic: a kill leaves either the old set or the complete new one. `final` cannot exist (a new run starts
+        # without checkpoints, a resumed one past its latest): nothing is deleted before the new one is in place
+        os.replace(tmp, final)
         for old in sorted(run_dir.glob("ckpt-*"))[: -args.keep_ckpts]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
@@ -465,17 +473,25 @@ def rl_step_metrics(trajs, rewards, times, grpo_metrics, world):
 # evaluation, logging, curves
 
 
-def evaluate_ex(model, tokenizer, examples, args, rank, world, name):
-    """Greedy EX through eval.evaluate on this rank's share, summed over ranks."""
-    from eval import evaluate
-    mine = examples[rank::world]
-    scoring = "spider" if all(ex.get("source") == "spider" for ex in examples) else "bird"
-    s = evaluate(unwrap(model), tokenizer, mine, protocol=args.protocol, schema_mode=args.schema_mode,
-                 max_turns=args.max_turns, samples=1, scoring=scoring, batch_size=args.eval_batch_size, seed=args.seed,
-                 max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens, name=name)
-    tot = all_reduce_sum(torch.tensor([s["metrics"]["greedy_ex"] * len(mine), s["cost"]["greedy"]["turns"] * len(mine),
-                                       len(mine)], dtype=torch.float64)).tolist()
-    return {"ex": tot[0] / tot[2], "turns": tot[1] / tot[2], "n": int(tot[2])}
+def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
+    """Greedy EX of every eval set {name: examples} from ONE continuous batch over this rank's share of all of them
+    (one tail of long rows instead of one per set), each set scored by its own rule; summed over ranks."""
+    from eval import run_agent, score
+    mine = {name: examples[rank::world] for name, examples in evalsets.items()}
+    flat = [ex for examples in mine.values() for ex in examples]
+    trajs, _ = run_agent(unwrap(model), tokenizer, flat, group_size=1, batch_size=args.eval_batch_size, desc="eval",
+                         protocol=args.protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
+                         max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                         temperature=0.0, top_p=1.0, seed=args.seed)
+    out, start = {}, 0
+    for name, examples in mine.items():
+        part, start = trajs[start:start + len(examples)], start + len(examples)
+        spider = all(ex.get("source") == "spider" for ex in evalsets[name])
+        ok = score(examples, [t.episode.final_sql for t in part], "spider" if spider else "bird")[0] if part else []
+        tot = all_reduce_sum(torch.tensor([sum(ok), sum(t.num_turns for t in part), len(part)],
+                                          dtype=torch.float64)).tolist()
+        out[name] = {"ex": tot[0] / max(tot[2], 1), "turns": tot[1] / max(tot[2], 1), "n": int(tot[2])}
+    return out
 
 
 class Logger:
@@ -504,7 +520,8 @@ class Logger:
 
 
 def plot_curves(rows, path):
-    """curves.png: SFT loss, RL reward, dev EX and turns over steps (skipped without matplotlib)."""
+    """curves.png: SFT loss, RL reward, dev EX and turns on one time line of global steps, the SFT -> RL switch
+    dashed. Returns False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -513,18 +530,32 @@ def plot_curves(rows, path):
         return False
     sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
     rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
-    ev = [r for r in rows if "dev_ex" in r]
-    fig, ax = plt.subplots(1, 4, figsize=(16, 3.5))
-    ax[0].plot([r["gstep"] for r in sft], [r["loss"] for r in sft]); ax[0].set_title("SFT loss")
-    ax[1].plot([r["gstep"] for r in rl], [r["reward_full"] for r in rl], label="full")
+    ev = [r for r in rows if any(k.endswith("_ex") for k in r)]
+    x = lambda rs: [r["gstep"] for r in rs]  # noqa: E731
+    fig, ax = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
+    ax[0].plot(x(sft), [r["loss"] for r in sft])
+    ax[0].set(title="SFT", ylabel="masked NLL per agent token")
+    ax[1].plot(x(rl), [r["reward_full"] for r in rl], label="reward (full track)")
     if rl and "reward_schema" in rl[0]:
-        ax[1].plot([r["gstep"] for r in rl], [r["reward_schema"] for r in rl], label="schema")
-    ax[1].plot([r["gstep"] for r in rl], [r["ex"] for r in rl], label="train EX"); ax[1].legend()
-    ax[1].set_title("RL reward")
-    ax[2].plot([r["gstep"] for r in ev], [r["dev_ex"] for r in ev], "o-"); ax[2].set_title("dev EX")
-    ax[3].plot([r["gstep"] for r in rl], [r["turns"] for r in rl]); ax[3].set_title("turns per trajectory")
+        ax[1].plot(x(rl), [r["reward_schema"] for r in rl], label="reward (schema track)")
+    ax[1].plot(x(rl), [r["ex"] for r in rl], label="EX of the rollouts")
+    ax[1].set(title="RL rollouts (mean per step)", ylabel="reward / EX")
+    ax[1].legend(fontsize=8)
+    for key in ("dev_ex", "test_ex", "spider_ex"):  # the evals after each stage (and every --eval-every steps)
+        pts = [(r["gstep"], 100 * r[key]) for r in ev if key in r]
+        if pts:
+            ax[2].plot(*zip(*pts), "o-", label=key[:-3])
+            for p in pts:
+                ax[2].annotate(f"{p[1]:.0f}", p, textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
+    ax[2].set(title="greedy EX", ylabel="EX (%)")
+    ax[2].legend(fontsize=8)
+    ax[3].plot(x(rl), [r["turns"] for r in rl])
+    ax[3].set(title="RL rollouts", ylabel="turns per trajectory")
     for a in ax:
-        a.set_xlabel("step")
+        a.set_xlabel("global step (SFT, then RL)")
+        if sft and rl:
+            a.axvline(sft[-1]["gstep"] + 0.5, color="gray", ls="--", lw=0.8)
+        a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -615,7 +646,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
         row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": sched.get_last_lr()[0],
                **rl_step_metrics(trajs, rewards, times, gm, world)}
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.rl_steps:
-            row["dev_ex"] = evaluate_ex(ctx["policy"](), tokenizer, ctx["dev"], args, rank, world, "dev")["ex"]
+            row["dev_ex"] = evaluate_ex(ctx["policy"](), tokenizer, {"dev": ctx["dev"]}, args, rank, world)["dev"]["ex"]
         log.log(row)
         bar.set_postfix(reward=f"{row['reward_full']:.2f}", ex=f"{row['ex']:.2f}", turns=f"{row['turns']:.1f}")
         ctx["maybe_save"](opt, sched, final=step + 1 == args.rl_steps)
@@ -629,6 +660,13 @@ def main(argv=None):
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
+    if args.run_name is None:
+        if args.resume:
+            raise env.UserError("--resume needs --run-name: the folder under --out-dir of the run to continue")
+        name = [time.strftime("run-%Y%m%d-%H%M%S")]  # a new folder per run, rank 0's name on every rank
+        if dist.is_initialized():
+            dist.broadcast_object_list(name, src=0)
+        args.run_name = name[0]
     run_dir = Path(args.out_dir) / args.run_name
     stages = ["sft", "rl"] if args.stage == "both" else [args.stage]
     master = rank == 0
@@ -636,6 +674,19 @@ def main(argv=None):
     if master and trained:
         print("settings the checkpoint was trained in (a flag overrides): "
               + ", ".join(f"{k}={getattr(args, k)}" for k in trained))
+
+    # --- checked before any work: the model can load, and a run never deletes what it did not write
+    try:
+        resolve(args.model)  # a missing folder, a Hub id neither cached nor reachable, smollm2's one-time fetch
+    except (OSError, RuntimeError) as e:
+        raise env.UserError(e) from None
+    old = [] if args.resume else sorted(run_dir.glob("ckpt-*"))
+    if old and Path(args.model).resolve().is_relative_to(run_dir.resolve()):
+        raise env.UserError(f"--model {args.model} is inside {run_dir}, whose checkpoints a new run would replace: "
+                            "pass another --run-name (or --resume to continue that run)")
+    if old and not args.overwrite:
+        raise env.UserError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it, another "
+                            "--run-name, or --overwrite to replace them")
 
     # --- data: default to the gym (built once, by rank 0)
     if None in (args.data, args.dev_data, args.test_data):
@@ -647,9 +698,17 @@ def main(argv=None):
         args.data = args.data or str(gym / "train.jsonl")
         args.dev_data = args.dev_data or str(gym / "dev.jsonl")
         args.test_data = args.test_data or str(gym / "test.jsonl")
-    train = env.load_examples(args.data)
-    dev = env.load_examples(args.dev_data)[: args.eval_limit or None]
-    test = env.load_examples(args.test_data)[: args.eval_limit or None]
+    try:
+        train = env.load_examples(args.data)
+        dev = env.load_examples(args.dev_data)[: args.eval_limit or None]
+        test = env.load_examples(args.test_data)[: args.eval_limit or None]
+    except (FileNotFoundError, ValueError) as e:  # a bad record or a missing database
+        raise env.UserError(e) from None
+    if master:  # recipe, then model and --quick presets, then the command line: what this run uses
+        print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
+                            subsequent_indent="  "))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
 
     # --- resume: the latest checkpoint's state decides which stage and step we are at
     ckpt = latest_checkpoint(run_dir) if args.resume else None
@@ -659,19 +718,22 @@ def main(argv=None):
         state.update({k: v for k, v in saved.items() if k in state}, gstep=saved["global_step"])
         if master:
             print(f"resuming {ckpt} ({state['stage']} step {state['step']})")
-    elif master and run_dir.exists() and any(run_dir.glob("ckpt-*")):
-        print(f"note: {run_dir} has checkpoints from an earlier run; they are replaced (use --resume to continue)")
-        for old in run_dir.glob("ckpt-*"):
-            shutil.rmtree(old)
+    elif master and old:  # --overwrite (checked above)
+        print(f"--overwrite: deleting the {len(old)} checkpoints of an earlier run in {run_dir}")
+        for c in old:
+            shutil.rmtree(c)
     barrier()
 
     # --- model: fp32 master weights (the optimizer's); bf16 compute per --dtype; gradient checkpointing on GPU
-    model, tokenizer = load_model(args.model, device=device, seed=args.seed)
+    try:
+        model, tokenizer = load_model(args.model, device=device, seed=args.seed)
+    except ValueError as e:  # e.g. a tokenizer without a chat template
+        raise env.UserError(e) from None
     spider = spider_sample(args.spider_dir, args.spider_limit) if args.spider_limit else []
     if master and args.spider_limit and not spider:
         print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
     base_protocol = args.protocol
-    args.protocol = env.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.echo_question)
+    args.protocol = env.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows)
     try:
         evalsets = {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
         return run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, rank, world, device)
@@ -744,10 +806,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     def record_eval(tag):
         if tag in state["evals"]:
             return
-        weights = policy()  # one bf16 refresh for all the eval sets
         with torch.no_grad():
-            state["evals"][tag] = {name: timed("eval", evaluate_ex, weights, tokenizer, examples, args, rank, world,
-                                               f"{tag}-{name}") for name, examples in evalsets.items()}
+            state["evals"][tag] = timed("eval", evaluate_ex, policy(), tokenizer, evalsets, args, rank, world)
         e = state["evals"][tag]
         log.log({"stage": "eval", "after": tag, "step": state["step"], "gstep": state["gstep"],
                  **{f"{name}_ex": e[name]["ex"] for name in e}})
@@ -812,7 +872,10 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except env.UserError as e:
+        env.die(e)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor during interpreter
         # teardown takes the GIL and aborts (SIGABRT, ~1 run in 20), failing a finished run. Everything is written.

@@ -15,7 +15,6 @@ what rollout.py would produce. Trajectories from any other source in the same fo
 
     python data/teacher.py --data data/gym/train.jsonl --protocol trust --out out/teacher/gym_trust.jsonl
 """
-import argparse
 import json
 import random
 import re
@@ -327,20 +326,24 @@ def write_teacher_data(examples, path, protocol="trust", **teach_kw):
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="examples JSONL (any dataset's prepare.py output)")
+    parser = env.ArgumentParser(description=__doc__)
+    nonneg = env.nonneg_int
+    parser.add_argument("--data", type=env.existing_file, required=True, help="examples JSONL (a prepare.py output)")
     parser.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"])
     parser.add_argument("--out", required=True, help="output JSONL of chat-message trajectories")
-    parser.add_argument("--max-turns", type=int, default=10)
-    parser.add_argument("--schema-mode", default="none")
-    parser.add_argument("--distractors", type=int, default=1, help="extra tables whose schema the teacher reads")
-    parser.add_argument("--max-probes", type=int, default=2, help="filtered columns whose values it probes")
+    parser.add_argument("--max-turns", type=env.positive_int, default=10)
+    parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES)
+    parser.add_argument("--distractors", type=nonneg, default=1, help="extra tables whose schema the teacher reads")
+    parser.add_argument("--max-probes", type=nonneg, default=2, help="filtered columns whose values it probes")
     parser.add_argument("--repair-rate", type=float, default=0.2, help="share with a failing first attempt")
     parser.add_argument("--list-tables", type=int, default=1, help="0: skip the list-tables turn (shorter)")
-    parser.add_argument("--limit", type=int, default=0, help="only the first N examples (0 = all)")
+    parser.add_argument("--limit", type=nonneg, default=0, help="only the first N examples (0 = all)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    examples = env.load_examples(args.data)[: args.limit or None]
+    try:
+        examples = env.load_examples(args.data)[: args.limit or None]
+    except (FileNotFoundError, ValueError) as e:  # a bad record or a missing database
+        env.die(e)
     write_teacher_data(examples, args.out, args.protocol, max_turns=args.max_turns, schema_mode=args.schema_mode,
                        seed=args.seed, distractors=args.distractors, max_probes=args.max_probes,
                        repair_rate=args.repair_rate, list_tables=bool(args.list_tables))

@@ -619,26 +619,6 @@ def test_episode_runs_out_of_turns_and_accepts_batched_results(spider_pets):
     assert ep.turn_valid == [True, False] and ep.num_tool_calls == 1 and ep.propose_turn == -1
 
 
-def test_echo_question_ends_every_observation_with_the_question(spider_pets):
-    import dataclasses
-    env.PROTOCOLS["trust-echo-test"] = dataclasses.replace(env.PROTOCOLS["trust"], name="trust-echo-test",
-                                                           echo_question=True)
-    try:
-        ep = env.new_episode(spider_pets, "trust-echo-test", max_turns=4)
-        obs, _ = env.step(ep, '<think>x</think><action>propose_schema</action><schema>{"tables": ["Pets"], '
-                              '"columns": {"Pets": ["PetID"]}, "joins": []}</schema>')
-        assert f"Question: {spider_pets['question']}\n\nYou have 3 turns left." in obs
-        obs, _ = env.step(ep, "no tags at all")  # feedback for a malformed turn carries it too
-        assert f"Question: {spider_pets['question']}" in obs
-        obs, _ = env.step(ep, '<think>x</think><action>generate_sql</action><tool_call>{"name": "execute_sql_query", '
-                              '"arguments": {"db_id": "pets_1", "sql": "SELECT count(*) FROM Pets"}}</tool_call>')
-        assert obs.startswith(f"count(*)\n3\nQuestion: {spider_pets['question']}\n")
-        obs, done = env.step(ep, "<think>x</think><action>confirm_answer</action><answer>SELECT 1</answer>")
-        assert (obs, done) == (None, True)
-    finally:
-        env.PROTOCOLS.pop("trust-echo-test")
-
-
 def test_new_episode_rejects_bad_arguments(pets):
     ex = _example(pets)
     with pytest.raises(ValueError, match="unknown protocol"):

@@ -332,7 +332,7 @@ def test_cli_spider_ts_dir_and_user_errors(test_suite, tmp_path):
     for bad, why in [(["--spider-ts-dir", tmp_path / "nowhere"], "is not a folder"),
                      (["--spider-ts-dir", tmp_path], "no .sqlite files for 1 database(s), e.g. concert"),
                      (["--spider-ts-dir", ts_dir, "--scoring", "bird"], "needs --scoring spider"),
-                     (["--ves-runs", "-1"], "--ves-runs must be >= 0")]:
+                     (["--ves-runs", "-1"], "--ves-runs: must be an integer >= 0")]:
         out = run_cli("--data", data, *bad)
         assert out.returncode == 2 and out.stdout == "", out.stderr
         assert out.stderr.startswith("error: ") and why in out.stderr and out.stderr.count("\n") == 1
@@ -361,7 +361,7 @@ def scripted_rollout(model, tokenizer, examples, protocol, *, group_size, temper
         for sql in ([greedy] if temperature == 0 else sampled)[:group_size]:
             trajs.append(SimpleNamespace(token_ids=[1] * 12, prompt_len=7, loss_mask=[0] * 7 + [1] * 5, num_turns=2,
                                          num_tool_calls=1, stop_reason="answer", group=g, example=ex,
-                                         episode=SimpleNamespace(final_sql=sql)))
+                                         turn_times=[0.5, 0.25], episode=SimpleNamespace(final_sql=sql)))
     return trajs
 
 

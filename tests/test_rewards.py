@@ -43,6 +43,9 @@ def test_schema_jaccard_paper_example():
     ("medium", 3, False, 1.0), ("moderate", 4, True, 0.0),        # medium: t <= 3
     ("hard", 9, True, 1.0), ("challenging", 10, True, 0.0),       # hard/extra: correct and t < T (T = 10)
     ("extra", 1, False, 0.0), ("extra", 4, True, 1.0),
+    ("Simple", 2, False, 1.0), ("Moderate", 3, False, 1.0),     # SynSQL's labels, SQL-Trail's own RL data
+    ("Complex", 4, False, 0.0), ("Highly Complex", 4, True, 1.0),
+    ("unknown", 1, False, 0.0), ("unknown", 4, True, 1.0),      # unlabelled: the hard rule
 ])
 def test_turn_reward_thresholds(difficulty, turns, exec_ok, expected):
     assert turn_reward(difficulty, turns, exec_ok, budget=10) == expected
@@ -68,11 +71,12 @@ def test_execution_values_per_paper():
     assert [skyrl_reward("correct", False), skyrl_reward("wrong", True), skyrl_reward("correct", True)] == [-1, 0, 1]
 
 
-def _episode(names, valid=None, errors=None, final_sql=None, proposed=None, propose_turn=-1, max_turns=10):
+def _episode(names, valid=None, errors=None, final_sql=None, proposed=None, propose_turn=-1, max_turns=10,
+             schema_mode="none"):
     actions = [SimpleNamespace(name=n, valid=True if valid is None else valid[i]) for i, n in enumerate(names)]
     return SimpleNamespace(actions=actions, turn_valid=[a.valid for a in actions], max_turns=max_turns,
                            exec_errors=errors or [None] * len(names), final_sql=final_sql,
-                           proposed_schema=proposed, propose_turn=propose_turn)
+                           proposed_schema=proposed, propose_turn=propose_turn, schema_mode=schema_mode)
 
 
 TRUST4 = ["explore_schema", "propose_schema", "generate_sql", "confirm_answer"]
@@ -83,6 +87,12 @@ def test_trust_format_needs_all_four_actions_valid_turns_and_no_errors():
     assert format_trust(_episode(TRUST4[:1] + TRUST4[2:])) == 0.0                         # never proposed
     assert format_trust(_episode(TRUST4, valid=[True, False, True, True])) == 0.0
     assert format_trust(_episode(TRUST4, errors=[None, None, "no such column: x", None])) == 0.0
+
+
+def test_trust_format_counts_the_prefilled_explore_turn():
+    # --schema-mode explore_turn: the prompt holds the explore_schema turn, so the agent's three actions are perfect
+    assert format_trust(_episode(TRUST4[1:], schema_mode="explore_turn")) == 0.1
+    assert format_trust(_episode(TRUST4[1:], schema_mode="none")) == 0.0
 
 
 def test_mtir_format_is_plus_minus_point_one():

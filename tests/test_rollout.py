@@ -5,6 +5,7 @@ An untrained model emits junk, so real tool calls come from a scripted policy fe
 the turns it leaves open are sampled (or decoded greedily) by the model itself.
 """
 import json
+import os
 
 import pytest
 import torch
@@ -150,6 +151,20 @@ def test_greedy_batch_equals_each_row_alone(tiny, examples):
         assert alone.stop_reason == batch[r].stop_reason
         assert torch.allclose(torch.tensor(alone.sample_logprobs), torch.tensor(batch[r].sample_logprobs),
                               atol=1e-4, rtol=0)
+
+def test_continuous_batching_decodes_each_row_as_the_full_batch_does(tiny, examples):
+    # 3 slots for 8 questions: rows that answer early hand their slot (and its stale keys) to waiting rows
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r % 4 + 1}")] +
+               ([trust_answer("SELECT 1")] if r % 3 == 0 else []) for r in range(8)}
+    full = run(tiny, examples[:8], scripts)
+    from tqdm import tqdm
+    bar = tqdm(total=8, file=open(os.devnull, "w"))
+    slots = run(tiny, examples[:8], scripts, max_rows=3, bar=bar)
+    assert bar.n == 8  # one tick per finished row
+    assert [t.example["id"] for t in slots] == [ex["id"] for ex in examples[:8]]  # still in example order
+    for a, b in zip(full, slots):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
 
 # -----------------------------------------------------------------------------
 # 3. token-in/token-out

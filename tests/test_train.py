@@ -40,7 +40,7 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     trust = train.get_args(["--model", "tiny"])  # the recipe alone (smollm2 adds the demo's sizes)
     assert (trust.recipe, trust.protocol, trust.schema_lambda, trust.max_turns, trust.group_size, trust.eps_high) == \
         ("trust", "trust", 0.25, 10, 8, 0.28)
-    trail = train.get_args(["--recipe", "trail"])
+    trail = train.get_args(["--recipe", "trail", "--model", "tiny"])
     assert (trail.protocol, trail.reward, trail.group_size, trail.schema_lambda, trail.top_p) == \
         ("trail", "trail", 6, 0.0, 0.99)
     assert train.get_args(["--recipe", "mtir"]).traj_filter
@@ -53,6 +53,15 @@ def test_every_preset_key_is_a_flag():
     dests = {a.dest for a in train.get_parser()._actions}
     for name, preset in [*train.RECIPES.items(), ("DEMO", train.DEMO), ("QUICK", train.QUICK)]:
         assert set(preset) <= dests, f"{name}: {set(preset) - dests} are not train.py flags"
+
+
+def test_help_shows_every_flag_with_the_default_the_presets_give_it(capsys):
+    with pytest.raises(SystemExit):
+        train.get_args(["--help"])  # no flags: --model smollm2, so the demo preset's values are the defaults
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {train.DEMO['sft_steps']})" in text and f"(default: {train.DEMO['rl_lr']})" in text
+    flags = [a for a in train.get_parser()._actions if a.option_strings and a.dest != "help"]
+    assert all(a.help for a in flags), [a.dest for a in flags if not a.help]
 
 
 def test_torchrun_hands_every_flag_to_train_py():
@@ -131,11 +140,11 @@ def test_missing_sft_data_and_missing_database_are_clear_errors(tmp_path, tiny):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x", "db_id": "d", "db_path": "missing.sqlite", "question": "q", "evidence": "",
                                "gold_sql": "SELECT 1", "difficulty": "easy", "source": "gym"}) + "\n")
-    with pytest.raises(FileNotFoundError, match="database"):
+    with pytest.raises(env.UserError, match="database"):  # train.py's __main__ prints it as one `error:` line
         train.main(["--quick", "--model", "tiny", "--data", str(bad), "--out-dir", str(tmp_path)])
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(ValueError, match="no examples"):
+    with pytest.raises(env.UserError, match="no examples"):
         train.main(["--quick", "--model", "tiny", "--data", str(empty), "--out-dir", str(tmp_path)])
 
 # -----------------------------------------------------------------------------
@@ -178,6 +187,8 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path, quick_run):
                                                                          TINY["num_hidden_layers"])
     assert (run / "teacher_trust-brief-rows3.jsonl").exists()  # --quick's protocol
     assert json.loads((run / "results.json").read_text())["seconds"]["sft"] > 0
+    config = json.loads((run / "config.json").read_text())  # the effective flags: recipe, presets, command line
+    assert (config["sft_steps"], config["rl_steps"], config["model"], config["recipe"]) == (2, 2, "tiny", "trust")
     # eval.py evaluates the checkpoint in the protocol it was trained with, not the full trust prompt
     out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--model", str(ckpt), "--limit", "2", "--samples",
                           "1", "--out-dir", str(tmp_path / "eval"), "--name", "e"], capture_output=True, text=True,
@@ -225,6 +236,76 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert strip(tmp_path / "a") == strip(tmp_path / "b")
     assert len(list((tmp_path / "b" / "quick").glob("ckpt-*"))) == 2  # keep last K
     assert not list((tmp_path / "b" / "quick").glob(".tmp-*"))
+
+# -----------------------------------------------------------------------------
+# a run never deletes what it did not write
+
+
+class Killed(Exception):
+    pass
+
+
+def fake_checkpoint(path):
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_text("an earlier run's weights")
+    return path
+
+
+def test_a_new_run_into_a_folder_with_checkpoints_refuses_and_keeps_them(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "r" / "ckpt-000002")
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *QUICK, "--out-dir", tmp_path, "--run-name", "r"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr.startswith("error: ") and "--resume" in out.stderr and "--overwrite" in out.stderr
+    assert (ckpt / "model.safetensors").read_text() == "an earlier run's weights"
+    with pytest.raises(env.UserError, match="--run-name"):  # the default run name is new each run: nothing to resume
+        train.main(["--model", "tiny", "--resume", "--out-dir", str(tmp_path)])
+
+
+def test_rl_from_a_checkpoint_in_its_own_run_folder_never_deletes_it(tmp_path, monkeypatch):
+    # `--stage rl --model out/demo/ckpt-000040 --run-name demo` once deleted the checkpoint it was asked to load
+    ckpt = fake_checkpoint(tmp_path / "demo" / "ckpt-000040")
+    argv = ["--stage", "rl", "--model", str(ckpt), "--out-dir", str(tmp_path), "--run-name", "demo"]
+    for extra, why in [([], "another --run-name"), (["--overwrite"], "another --run-name")]:
+        with pytest.raises(env.UserError, match=why):
+            train.main(argv + extra)
+        assert (ckpt / "model.safetensors").exists()
+
+    # --overwrite with a --model elsewhere replaces the folder's checkpoints (stopped just before the model loads)
+    def stop(*a, **k):
+        raise Killed
+    monkeypatch.setattr(train, "load_model", stop)
+    with pytest.raises(Killed):
+        train.main(["--quick", "--model", "tiny", "--out-dir", str(tmp_path), "--run-name", "demo", "--overwrite"])
+    assert not ckpt.exists()
+
+
+def test_a_kill_between_the_temp_write_and_the_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch, tiny):
+    model, tok = tiny
+    args = train.get_args(QUICK)
+    opt, sched = train.make_optimizer(model, 1e-4, 10, args)
+    state = {"stage": "sft", "step": 1, "gstep": 1, "evals": {}, "rl_pool": None}
+    first = train.save_checkpoint(tmp_path, 1, model, tok, opt, sched, state, args, 0, 1)
+    replace = os.replace
+
+    def killed(src, dst, **kw):  # the process dies after writing .tmp-ckpt-000002, before renaming it
+        if Path(src).name.startswith(".tmp-ckpt"):
+            raise Killed
+        replace(src, dst, **kw)
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(Killed):
+        train.save_checkpoint(tmp_path, 2, model, tok, opt, sched, dict(state, step=2, gstep=2), args, 0, 1)
+    monkeypatch.undo()
+    assert (tmp_path / ".tmp-ckpt-000002").is_dir() and train.latest_checkpoint(tmp_path) == first
+    fresh, _ = load_model("tiny", seed=1)  # other weights, so that loading visibly restores the saved ones
+    train.load_weights(fresh, first)
+    opt2, sched2 = train.make_optimizer(fresh, 1e-4, 10, args)
+    train.load_trainer_state(first, fresh, opt2, sched2, args, 0)
+    for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert json.loads((first / "state.json").read_text())["global_step"] == 1  # --resume goes on from step 1...
+    again = train.save_checkpoint(tmp_path, 2, model, tok, opt, sched, dict(state, step=2, gstep=2), args, 0, 1)
+    assert train.latest_checkpoint(tmp_path) == again and not list(tmp_path.glob(".tmp-*"))  # ...past the debris
 
 # -----------------------------------------------------------------------------
 # DDP: 2 gloo processes compute the same gradient as one process

@@ -6,7 +6,6 @@ and the prediction file its scorers read.
     python data/bird/prepare.py --bird-dir ~/bird/dev              # dev.json + dev_databases/ -> data/bird/dev.jsonl
     python data/bird/prepare.py --bird-dir ~/bird/train --split train --out /tmp/bird
 """
-import argparse
 import json
 import os
 import platform
@@ -125,7 +124,8 @@ def write_bird_predictions(path, examples: list[dict], sqls: list) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from env import ArgumentParser, die
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--bird-dir", type=Path, required=True, help="folder with <split>.json and <split>_databases/")
     parser.add_argument("--split", default="dev", help="dev or train (default dev)")
     parser.add_argument("--db-dir", type=Path, default=None, help="databases (default <bird-dir>/<split>_databases)")
@@ -136,6 +136,6 @@ if __name__ == "__main__":
     try:
         records, skipped = load_bird(args.bird_dir, args.split, args.db_dir)
     except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        die(e)
     finish("bird", records, skipped, args.out / f"{args.split}.jsonl", check=not args.skip_check,
            timeout_s=args.timeout)

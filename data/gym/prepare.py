@@ -8,7 +8,6 @@ Same seed -> byte-identical .sqlite and .jsonl files. Everything in sqlrl runs o
 Output: databases/<db_id>/<db_id>.sqlite, train.jsonl (~2000), dev.jsonl (~200: same databases, new values),
 test.jsonl (~200: held-out databases, and templates never seen in train/dev). From Python: `ensure_gym()`.
 """
-import argparse
 import datetime
 import hashlib
 import json
@@ -547,7 +546,8 @@ def print_stats(stats):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from env import ArgumentParser  # a bad flag is one `error:` line
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=GYM_DIR, help="output folder (default: beside this script)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

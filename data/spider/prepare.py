@@ -8,7 +8,6 @@ loaders share (JSON streaming, read-only SQLite, gold checks, the gold file both
     python data/spider/prepare.py --spider-dir ../shared/data/spider                 # -> data/spider/dev.jsonl
     python data/spider/prepare.py --spider-dir DIR --split train_spider.json --out /tmp/spider
 """
-import argparse
 import json
 import re
 import sys
@@ -292,7 +291,8 @@ def load_spider(spider_dir, split_file="dev.json", db_dir=None):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from env import ArgumentParser, die
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--spider-dir", type=Path, required=True, help="folder with dev.json, tables.json, database/")
     parser.add_argument("--split", default="dev.json", help="split file inside --spider-dir (default dev.json)")
     parser.add_argument("--db-dir", type=Path, default=None, help="databases (default <spider-dir>/database)")
@@ -302,5 +302,5 @@ if __name__ == "__main__":
     try:
         records, skipped = load_spider(args.spider_dir, args.split, args.db_dir)
     except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        die(e)
     finish("spider", records, skipped, args.out / f"{Path(args.split).stem}.jsonl", check=not args.skip_check)

@@ -4,7 +4,6 @@ Difficulty is SynSQL's own sql_complexity label (Simple / Moderate / Complex / H
 
     python data/synsql/prepare.py --synsql-dir ~/SynSQL-2.5M --limit 20000     # -> data/synsql/train.jsonl
 """
-import argparse
 import sys
 from itertools import islice
 from pathlib import Path
@@ -46,9 +45,10 @@ def load_synsql(synsql_dir, limit=None, db_dir=None):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from env import ArgumentParser, die, positive_int
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--synsql-dir", type=Path, required=True, help="folder with data.json and databases/")
-    parser.add_argument("--limit", type=int, default=None, help="keep only the first N examples (default: all)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="only the first N examples (default: all)")
     parser.add_argument("--db-dir", type=Path, default=None, help="databases (default <synsql-dir>/databases)")
     parser.add_argument("--out", type=Path, default=HERE, help="output folder (default: beside this script)")
     parser.add_argument("--skip-check", action="store_true", help="do not execute the gold queries")
@@ -57,5 +57,5 @@ if __name__ == "__main__":
     try:
         records, skipped = load_synsql(args.synsql_dir, args.limit, args.db_dir)
     except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        die(e)
     finish("synsql", records, skipped, args.out / "train.jsonl", check=not args.skip_check, timeout_s=args.timeout)
