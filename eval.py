@@ -464,7 +464,7 @@ if __name__ == "__main__":
     if not args.gold_as_prediction:
         from model import load_model, resolve
         try:  # before any work: a missing folder, a Hub id neither cached nor reachable, smollm2's one-time fetch
-            resolve(args.model)
+            model_path = resolve(args.model)
         except (OSError, RuntimeError) as e:
             die(e)
     trained = trained_settings(args.model)
@@ -509,7 +509,7 @@ if __name__ == "__main__":
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     try:
-        model, tokenizer = load_model(args.model, device=args.device, dtype=dtype, seed=args.seed)
+        model, tokenizer = load_model(model_path, device=args.device, dtype=dtype, seed=args.seed)  # resolved above
     except ValueError as e:  # e.g. a tokenizer without a chat template
         die(e)
     if model.config._attn_implementation not in ("sdpa", "eager"):

@@ -153,13 +153,11 @@ class SlotCache:
             k, v = k.index_select(0, self.subset), v.index_select(0, self.subset)
         return k, v
 
-    def copy_prefix(self, src, dst, n, src_cache=None):  # rows dst get the first n slots of rows src
-        src_cache = src_cache or self
+    def start_row(self, row, head, n):  # row `row` starts over as a copy of the first n slots of head's one row
         self.reserve(n)
-        for k, v, sk, sv in zip(self.k, self.v, src_cache.k, src_cache.v):
-            k[dst, :, :n], v[dst, :, :n] = sk[src, :, :n].to(k.device), sv[src, :, :n].to(v.device)
-        for d in dst.tolist():
-            self.lens[d] = n
+        for k, v, hk, hv in zip(self.k, self.v, head.k, head.v):
+            k[row, :, :n], v[row, :, :n] = hk[0, :, :n], hv[0, :, :n]
+        self.lens[row] = n
 
     def keep(self, index):  # index: (A',) rows to keep, in order
         self.k = [k.index_select(0, index) for k in self.k]
@@ -335,8 +333,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     def admit(slot):
         """The next waiting row takes cache slot `slot` (its old keys stay behind its length, masked)."""
         r = waiting.pop()
-        cache.copy_prefix(torch.zeros(1, dtype=torch.long, device=param.device),
-                          torch.tensor([slot], device=param.device), shared, src_cache=head)
+        cache.start_row(slot, head, shared)
         rows[r].feed, rows[r].turn_t0 = rows[r].feed[shared:], time.perf_counter()
         return r
 
@@ -346,8 +343,9 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
         # --- observations waiting to be fed go in as prefill batches; then one decode step for every slot (a dead
         # slot, None, decodes a pad at position 0 until the next compaction: cheaper than compacting every time)
         live = [(i, r) for i, r in enumerate(active) if r is not None]
-        for i in set(range(len(active))) - {i for i, _ in live}:
-            cache.lens[i] = 0  # a dead slot's pad never raises the kv length every row attends over
+        for i, r in enumerate(active):
+            if r is None:
+                cache.lens[i] = 0  # a dead slot's pad never raises the kv length every row attends over
         prefill(model, cache, {i: rows[r].feed for i, r in live}, pad)
         logits = forward_chunks(model, cache, [[pad] if r is None else rows[r].feed[-1:] for r in active], pad)
         tokens, logp = sample(logits, temperature, top_p, generator)  # (A,), (A, V)
@@ -406,7 +404,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
                 if waiting:
                     active[i] = admit(i)
                 else:
-                    active[i], cache.lens[i] = None, 0
+                    active[i] = None
         keep = [i for i, r in enumerate(active) if r is not None]
         if len(keep) <= 0.75 * len(active):
             active = [active[i] for i in keep]

@@ -677,7 +677,7 @@ def main(argv=None):
 
     # --- checked before any work: the model can load, and a run never deletes what it did not write
     try:
-        resolve(args.model)  # a missing folder, a Hub id neither cached nor reachable, smollm2's one-time fetch
+        model_path = resolve(args.model)  # a missing folder, a Hub id neither cached nor reachable, smollm2's fetch
     except (OSError, RuntimeError) as e:
         raise env.UserError(e) from None
     old = [] if args.resume else sorted(run_dir.glob("ckpt-*"))
@@ -726,7 +726,7 @@ def main(argv=None):
 
     # --- model: fp32 master weights (the optimizer's); bf16 compute per --dtype; gradient checkpointing on GPU
     try:
-        model, tokenizer = load_model(args.model, device=device, seed=args.seed)
+        model, tokenizer = load_model(model_path, device=device, seed=args.seed)  # resolved once, above
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise env.UserError(e) from None
     spider = spider_sample(args.spider_dir, args.spider_limit) if args.spider_limit else []
