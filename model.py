@@ -51,6 +51,11 @@ def attn_implementation(device, dtype=torch.bfloat16):
     """flash_attention_2 on CUDA in fp16/bf16 when flash-attn is installed (optional), else PyTorch's sdpa."""
     half = dtype in (torch.float16, torch.bfloat16)  # flash-attn kernels have no fp32 path
     on_cuda = str(device).startswith("cuda")
+    if not on_cuda:
+        # With a mask, HF's sdpa copies K/V once per query head (repeat_kv) unless it trusts the device with grouped
+        # heads; torch's CPU kernel takes them directly. Measured (bf16, 9 query / 3 kv heads): decode at 128 rows x
+        # 1500 keys 12.9 vs 18.0 ms per layer, a 16 x 200-token prefill 25 vs 47 ms. Read by HF at every call.
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     return "flash_attention_2" if on_cuda and half and importlib.util.find_spec("flash_attn") else "sdpa"
 
 

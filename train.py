@@ -65,9 +65,9 @@ RECIPES = {
 # system prompt keeps a trajectory near 800 tokens (the paper's prompt alone is 612), which every SFT and GRPO update
 # pays for. The teacher lists the tables (40 observation rows: the gym's largest database has 39), reads the CREATE
 # TABLE of the ones it needs and answers, with no value probes or distractor tables.
-DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=8,
+DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=2048, sft_steps=32, sft_batch_size=4, micro_batch_size=4,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=6, rl_batch_size=4, group_size=4, rl_lr=1e-5, filter_k=0,
+            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=4, rl_batch_size=4, group_size=4, rl_lr=5e-6, filter_k=0,
             filter_limit=0, filter_drop_unsolved=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
