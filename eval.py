@@ -26,15 +26,14 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import sqlglot
-from sqlglot import exp
-from sqlglot.optimizer.scope import traverse_scope
+import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from env import ArgumentParser, die, existing_file, load_examples, nonneg_int, positive_int, run_many, run_sql
-from rewards import (MAX_BARE_JOINS, SCORE_MAX_ROWS, bare_joins, db_schema,  # db_schema: {table: {column: type}}
-                     extract_schema, gold_order_matters, gold_results, is_correct)  # scoring shared with the rewards
+from model import all_reduce_sum, unwrap
+from env import ArgumentParser, die, existing_file, load_examples, nonneg_int, positive_int, run_many
+from rewards import (SCORE_MAX_ROWS, classify_failure, gold_order_matters, gold_results,  # shared with the rewards
+                     is_correct)
 from data.spider.prepare import spider_hardness, spider_sql, ts_databases, write_spider_files  # test-suite rules
 from data.bird.prepare import bird_ves, machine, write_bird_predictions  # BIRD's VES and prediction file
 
@@ -131,98 +130,6 @@ def difficulty_of(example: dict) -> str:
     if example.get("source") == "spider":  # Spider's hardness is a function of the gold SQL
         return spider_hardness(example["gold_sql"])
     return "unknown"
-
-
-# -----------------------------------------------------------------------------
-# error taxonomy (TRUST-SQL §3.1), one label per failure, checked in this order:
-#   generation: no final SQL; syntax: does not parse as one query; hallucination: names a table or column the
-#   database lacks; syntax: parses but fails to run (incl. timeouts); schema_linking: runs, but touches other
-#   tables/columns than gold; semantic: right schema, wrong result.
-# Hallucination is checked before execution because SQLite reports an unknown name as a run error.
-
-
-def parse_query(sql: str):
-    """The single query in sql as a sqlglot tree, or None when it does not parse as exactly one query (or has more
-    JOINs without ON/USING than sqlglot parses in reasonable time: rewards.bare_joins)."""
-    if bare_joins(sql) > MAX_BARE_JOINS:
-        return None
-    try:
-        trees = [t for t in sqlglot.parse(sql, read="sqlite") if t is not None]
-    except (sqlglot.errors.SqlglotError, RecursionError, ValueError):  # model output is untrusted
-        return None
-    if len(trees) != 1 or not isinstance(trees[0], exp.Query):
-        return None  # sqlglot happily parses "SELEC * FRM t" as an arithmetic expression
-    return trees[0]
-
-
-def unknown_names(tree, db_path: str) -> list[str]:
-    """Tables and columns the query references that do not exist in the database (sqlglot tree, real schema).
-    Columns are resolved per scope against the tables visible there (outer scopes included, for correlated
-    subqueries); a scope that also reads a CTE or derived table only needs the name to exist somewhere."""
-    schema = db_schema(db_path)
-    known = set().union(*schema.values()) if schema else set()
-    ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
-    # names a query defines itself: select aliases and CTE/derived-table column lists
-    own = {a.alias.lower() for a in tree.find_all(exp.Alias)}
-    own |= {c.name.lower() for ta in tree.find_all(exp.TableAlias) for c in ta.columns}
-    missing = [f"table {t.name}" for t in tree.find_all(exp.Table)
-               if t.name and t.name.lower() not in schema and t.name.lower() not in ctes]
-    try:
-        scopes = traverse_scope(tree)
-    except (sqlglot.errors.SqlglotError, RecursionError):  # cannot scope it: table names were still checked
-        scopes = []
-    for scope in scopes:
-        sources, s = {}, scope
-        while s is not None:  # innermost definition of an alias wins
-            for alias, src in s.sources.items():
-                sources.setdefault(alias.lower(), src)
-            s = s.parent
-        real = {a: src.name.lower() for a, src in sources.items()
-                if isinstance(src, exp.Table) and src.name.lower() in schema}
-        derived = len(real) < len(sources)  # CTE, derived table or an unknown table (already reported)
-        visible = known if derived else set().union(*(schema[t] for t in real.values()))
-        for col in scope.columns:
-            # a scope also lists the columns of its subqueries; check each in its own (innermost) SELECT only
-            if isinstance(col.this, exp.Star) or col.find_ancestor(exp.Select) is not scope.expression:
-                continue
-            name, qual = col.name.lower(), col.table.lower()
-            if qual:
-                if qual in real and name not in schema[real[qual]]:
-                    missing.append(f"column {col.sql()}")
-                elif qual not in sources:
-                    missing.append(f"table {col.table} (in {col.sql()})")
-            elif name not in visible and name not in own:
-                # SQLite reads an unknown "double-quoted" name as a string literal (Spider's gold SQL relies on it)
-                if not (col.this.quoted and name not in known):
-                    missing.append(f"column {col.name}")
-    return list(dict.fromkeys(missing))
-
-
-def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple[str, str]:
-    """(label, detail) for a wrong prediction. result: the SQLResult of final_sql, run here when None."""
-    if not final_sql or not final_sql.strip():
-        return "generation", "no final SQL"
-    tree = parse_query(final_sql)
-    if tree is None:
-        if bare_joins(final_sql) > MAX_BARE_JOINS:
-            return "syntax", f"more than {MAX_BARE_JOINS} JOINs without ON/USING: too costly to parse"
-        return "syntax", "does not parse as a single SQL query"
-    missing = unknown_names(tree, example["db_path"])
-    if missing:
-        return "hallucination", ", ".join(missing)
-    if result is None:
-        result = run_sql(example["db_path"], final_sql, timeout_s=30.0)
-    if result.error is not None:
-        return "syntax", result.error
-    try:
-        pred = extract_schema(final_sql, example["db_path"])
-        gold = extract_schema(example["gold_sql"], example["db_path"])
-    except (sqlglot.errors.SqlglotError, KeyError, ValueError, RecursionError) as e:  # odd but running query
-        return "semantic", f"schema extraction failed: {e}"
-    if pred != gold:
-        diff = sorted((pred["tables"] | pred["columns"]) ^ (gold["tables"] | gold["columns"]))
-        return "schema_linking", "differs from gold on " + ", ".join(diff[:8])
-    return "semantic", "gold schema, different result"
 
 
 # -----------------------------------------------------------------------------
@@ -358,6 +265,126 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
 
 
 # -----------------------------------------------------------------------------
+# during training (train.py): greedy EX of the eval sets in one batch, metrics.jsonl, curves.png
+
+
+def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
+    """Greedy EX of every eval set {name: examples} from ONE continuous batch over this rank's share of all of them
+    (one tail of long rows instead of one per set), each set scored by its own rule; summed over ranks."""
+    mine = {name: examples[rank::world] for name, examples in evalsets.items()}
+    flat = [ex for examples in mine.values() for ex in examples]
+    trajs, _ = run_agent(unwrap(model), tokenizer, flat, group_size=1, batch_size=args.eval_batch_size, desc="eval",
+                         protocol=args.protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
+                         max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                         temperature=0.0, top_p=1.0, seed=args.seed)
+    out, start = {}, 0
+    for name, examples in mine.items():
+        part, start = trajs[start:start + len(examples)], start + len(examples)
+        spider = all(ex.get("source") == "spider" for ex in evalsets[name])
+        ok = score(examples, [t.episode.final_sql for t in part], "spider" if spider else "bird")[0] if part else []
+        tot = all_reduce_sum(torch.tensor([sum(ok), sum(t.num_turns for t in part), len(part)],
+                                          dtype=torch.float64)).tolist()
+        out[name] = {"ex": tot[0] / max(tot[2], 1), "turns": tot[1] / max(tot[2], 1), "n": int(tot[2])}
+    return out
+
+def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_size, **rollout_kw):
+    """{id: fraction of k sampled rollouts that reward_fn scores correct} over all ranks' examples: the difficulty
+    filters' pass@k estimate (TRUST App. A.3, SQL-Trail eq. 13), one continuous batch per rank."""
+    with torch.no_grad():
+        trajs, _ = run_agent(model, tokenizer, examples, desc="filter", batch_size=batch_size, **rollout_kw)
+    rates = {ex["id"]: float(np.mean([reward_fn(t, ex)["correct"] for t in trajs[i * k:(i + 1) * k]]))
+             for i, ex in enumerate(examples)}
+    if world > 1:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, rates)
+        rates = {i: r for part in gathered for i, r in part.items()}
+    return rates
+
+
+class Logger:
+    """metrics.jsonl (+ wandb) on rank 0. On resume, lines past the checkpoint are dropped so the log stays exact."""
+
+    def __init__(self, run_dir, args, rank, gstep):
+        self.on, self.path, self.wandb = rank == 0, run_dir / "metrics.jsonl", None
+        if not self.on:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        old = self.path.read_text().splitlines() if self.path.exists() and args.resume else []
+        self.path.write_text("".join(line + "\n" for line in old if json.loads(line)["gstep"] <= gstep))
+        if args.wandb:
+            import wandb
+            self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), resume="allow")
+
+    def log(self, row):
+        if self.on:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.wandb:
+                self.wandb.log(row, step=row["gstep"])
+
+    def rows(self):
+        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+
+def plot_curves(rows, path):
+    """curves.png: SFT loss, RL reward, dev EX and turns on one time line of global steps, the SFT -> RL switch
+    dashed. Returns False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
+    rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
+    ev = [r for r in rows if any(k.endswith("_ex") for k in r)]
+    x = lambda rs: [r["gstep"] for r in rs]  # noqa: E731
+    fig, ax = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
+    ax[0].plot(x(sft), [r["loss"] for r in sft])
+    ax[0].set(title="SFT", ylabel="masked NLL per agent token")
+    ax[1].plot(x(rl), [r["reward_full"] for r in rl], label="reward (full track)")
+    if rl and "reward_schema" in rl[0]:
+        ax[1].plot(x(rl), [r["reward_schema"] for r in rl], label="reward (schema track)")
+    ax[1].plot(x(rl), [r["ex"] for r in rl], label="EX of the rollouts")
+    ax[1].set(title="RL rollouts (mean per step)", ylabel="reward / EX")
+    ax[1].legend(fontsize=8)
+    for key in ("dev_ex", "test_ex", "spider_ex"):  # the evals after each stage (and every --eval-every steps)
+        pts = [(r["gstep"], 100 * r[key]) for r in ev if key in r]
+        if pts:
+            ax[2].plot(*zip(*pts), "o-", label=key[:-3])
+            for p in pts:
+                ax[2].annotate(f"{p[1]:.0f}", p, textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
+    ax[2].set(title="greedy EX", ylabel="EX (%)")
+    ax[2].legend(fontsize=8)
+    ax[3].plot(x(rl), [r["turns"] for r in rl])
+    ax[3].set(title="RL rollouts", ylabel="turns per trajectory")
+    for a in ax:
+        a.set_xlabel("global step (SFT, then RL)")
+        if sft and rl:
+            a.axvline(sft[-1]["gstep"] + 0.5, color="gray", ls="--", lw=0.8)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def report(run_dir, evals, times, log):
+    """The end of a train.py run: EX after each stage as a table, stage seconds, results.json and curves.png."""
+    names = list(next(iter(evals.values()), {}))
+    print("\n| checkpoint | " + " | ".join(f"{name} EX %" for name in names) + " |\n" + "|---" * (1 + len(names)) + "|")
+    for label, tag in [("SFT", "sft"), ("SFT + RL", "rl")]:
+        if tag in evals:
+            print(f"| {label} | " + " | ".join(f"{100 * evals[tag][name]['ex']:.1f}" for name in names) + " |")
+    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    if plot_curves(log.rows(), run_dir / "curves.png"):
+        print(f"wrote {run_dir / 'curves.png'}")
+    (run_dir / "results.json").write_text(json.dumps({**evals, "seconds": times}, indent=1))
+    if log.wandb:
+        log.wandb.finish()
+
+
+# -----------------------------------------------------------------------------
 # report: markdown tables
 
 
@@ -400,6 +427,7 @@ def _one_line(example: dict | None, width: int = 90) -> str:
 ROLLOUT_FLAGS = dict(protocol="trust", schema_mode="none", max_turns=15, max_new_tokens=1024, max_total_tokens=16384)
 TRAINED_FLAGS = ("protocol", "brief_prompt", "obs_rows", "schema_mode", "max_turns", "max_new_tokens",
                  "max_total_tokens")
+LATER_FLAGS = {"force_final_answer": 0}  # trained settings added since: a checkpoint without them had the default
 
 
 def trained_settings(model_path) -> dict:
@@ -414,7 +442,8 @@ def trained_settings(model_path) -> dict:
     if not isinstance(saved, dict) or not set(TRAINED_FLAGS) <= set(saved):
         return {}  # some other tool's state.json
     # train.py saves the registered variant name ("trust-brief-rows40"); the flags above rebuild it
-    return {k: saved[k] for k in TRAINED_FLAGS} | {"protocol": saved["protocol"].split("-")[0]}
+    return ({k: saved[k] for k in TRAINED_FLAGS} | {k: saved.get(k, v) for k, v in LATER_FLAGS.items()}
+            | {"protocol": saved["protocol"].split("-")[0]})
 
 
 def output_name(model: str, protocol: str, schema_mode: str, data) -> str:
@@ -470,7 +499,8 @@ if __name__ == "__main__":
     trained = trained_settings(args.model)
     if trained and args.protocol is None:  # the checkpoint's own prompt variant; an explicit --protocol is used as is
         from env import protocol_variant  # registers e.g. "trust-brief-rows40" in env.PROTOCOLS
-        args.protocol = protocol_variant(trained["protocol"], trained["brief_prompt"], trained["obs_rows"])
+        args.protocol = protocol_variant(trained["protocol"], trained["brief_prompt"], trained["obs_rows"],
+                                         trained["force_final_answer"])
     for key, default in ROLLOUT_FLAGS.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, default))
@@ -505,7 +535,6 @@ if __name__ == "__main__":
               f"({sum(ok)}/{len(ok)}; {gold_failed} gold queries fail to run)")
         sys.exit(0)
 
-    import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     try:

@@ -36,10 +36,6 @@ def _all_sum(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def _all_max(x: torch.Tensor) -> torch.Tensor:
-    return _all_sum(x, op=dist.ReduceOp.MAX)
-
-
 def _is_fsdp(model) -> bool:
     return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP2 fully_shard'ed parameters
 
@@ -190,7 +186,9 @@ class GRPOConfig:
     kl_beta: float = 0.0              # k3 KL to a frozen reference model; 0 = off (SQL-Trail, MTIR)
     temperature: float = 1.0          # sampling temperature: log-probs are recomputed at it
     micro_batch_size: int = 4
-    ppo_epochs: int = 1               # optimizer steps on the same rollouts; >1 makes the clip matter
+    ppo_epochs: int = 1               # passes over the same rollouts
+    mini_batches: int = 1             # optimizer steps per pass, each on 1/mini_batches of the groups (verl's
+                                      # ppo_mini_batch_size); >1 step per batch is what makes the clip act
     grad_clip: float = 1.0
     dynamic_sampling: bool = False    # DAPO: drop groups whose rewards are all equal (zero advantage everywhere)
     trajectory_filter: bool = False   # MTIR: drop bad-format / unanswered / truncated trajectories
@@ -207,6 +205,8 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     if N % G or len(rewards) != N:
         raise ValueError(f"{N} trajectories / {len(rewards)} rewards do not form groups of {G}; rollout returns "
                          "group_size rows per example, group-major")
+    if (N // G) % cfg.mini_batches:
+        raise ValueError(f"{N // G} groups on this rank do not split into {cfg.mini_batches} mini-batches")
     device = next(model.parameters()).device
     r_full = torch.tensor([r["full"] for r in rewards], dtype=torch.float64)
     r_schema = torch.tensor([r.get("schema") or 0.0 for r in rewards], dtype=torch.float64)
@@ -241,117 +241,128 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     if metrics["rows"] == 0:  # every rank filtered everything: nothing to learn this step
         return metrics | {"loss": 0.0, "tokens": 0, "skipped": True}
 
-    # --- batch of the kept rows, split into micro-batches of similar length, each cut to its own longest row
+    # --- mini-batches of whole groups (one optimizer step each), each split into micro-batches of similar length
+    per_mini = (N // G) // cfg.mini_batches
+    parts = [[i for i in idx if i // G // per_mini == b] for b in range(cfg.mini_batches)]
+    minis = [_mini_batch(model, trajs, rows, adv_full, adv_schema, truncated, dual, cfg, device) for rows in parts]
+    tokens = sum(mb["tokens"] for mb in minis)
+    metrics["schema_tokens"] = int(sum(mb["schema_tokens"] for mb in minis))
+    if cfg.kl_beta > 0 and ref_model is None:
+        raise ValueError("kl_beta > 0 needs ref_model (a frozen copy of the initial policy)")
+    lagged = cfg.mini_batches * cfg.ppo_epochs > 1  # some pass runs on weights an earlier step already moved
+    with torch.no_grad():
+        for mb in minis:
+            mb["old"] = [None] * len(mb["micro"])
+            mb["ref"] = [token_logprobs(ref_model, mb["input_ids"][m], mb["loss_mask"][m], cfg.temperature)[0]
+                         for m in mb["micro"]] if cfg.kl_beta > 0 else []
+            if lagged and cfg.recompute_old_logp:  # the old policy is the weights before the FIRST step
+                mb["old"] = [token_logprobs(model, mb["input_ids"][m], mb["loss_mask"][m], cfg.temperature)[0]
+                             for m in mb["micro"]]
+
+    was_training = model.training
+    model.train()
+    sums = dict(loss_full=0.0, loss_schema=0.0, kl_ref=0.0, clip_high=0.0, clip_low=0.0, approx_kl=0.0,
+                entropy=0.0, sampler_kl=0.0)
+    grad_norm, steps = 0.0, 0
+    for epoch in range(cfg.ppo_epochs):
+        for mb in minis:
+            if mb["tokens"] == 0:  # on no rank: an empty step would still move the weights (AdamW momentum, decay)
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            for j, m in enumerate(mb["micro"]):
+                padding = j * cfg.micro_batch_size >= mb["rows"]  # an FSDP filler pass: forward/backward, zero loss
+                mask = mb["loss_mask"][m] * (not padding)
+                logp, ent = token_logprobs(model, mb["input_ids"][m], mask, cfg.temperature, with_entropy=epoch == 0)
+                if mb["old"][j] is None:  # one step on fresh weights: its own log-probs ARE the old policy's
+                    mb["old"][j] = logp.detach() if cfg.recompute_old_logp else mb["old_logp"][m]
+                if epoch == 0:
+                    sums["entropy"] += (ent * mask).sum().item()
+                    sums["sampler_kl"] += (k3_kl(mb["old_logp"][m], logp.detach()) * mask).sum().item()  # KL(q||π)
+                loss_full, st = policy_loss(logp, mb["old"][j], mb["adv_full"][m], mask, cfg.eps_low, cfg.eps_high,
+                                            cfg.agg, mb["n_full"])
+                loss = loss_full
+                if dual:
+                    loss_schema, _ = policy_loss(logp, mb["old"][j], mb["adv_schema"][m], mb["schema_mask"][m] * mask,
+                                                 cfg.eps_low, cfg.eps_high, cfg.agg, mb["n_schema"])
+                    loss = loss + cfg.schema_lambda * loss_schema
+                    sums["loss_schema"] += loss_schema.item()
+                if cfg.kl_beta > 0:
+                    kl = (k3_kl(logp, mb["ref"][j]) * mask).sum() / max(mb["tokens"], 1)  # token mean, mini-batch
+                    loss = loss + cfg.kl_beta * kl
+                    sums["kl_ref"] += kl.item()
+                if loss.requires_grad:  # micro-batch losses already carry the global normaliser: they just add up
+                    loss.backward()
+                sums["loss_full"] += loss_full.item()
+                for k in ("clip_high", "clip_low", "approx_kl"):
+                    sums[k] += st[k]
+            _sync_grads(model)
+            grad_norm += torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+            optimizer.step()
+            steps += 1
+    model.train(was_training)
+
+    total = dict(zip(sums, _all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()))
+    passes, per_step = max(tokens * cfg.ppo_epochs, 1), max(steps, 1)
+    metrics |= {
+        "loss_full": total["loss_full"] / per_step, "loss_schema": total["loss_schema"] / per_step,
+        "kl_ref": total["kl_ref"] / per_step, "grad_norm": grad_norm / per_step, "optimizer_steps": steps,
+        "clip_frac_high": total["clip_high"] / passes, "clip_frac_low": total["clip_low"] / passes,
+        "approx_kl": total["approx_kl"] / passes, "entropy": total["entropy"] / max(tokens, 1),
+        "sampler_kl": total["sampler_kl"] / max(tokens, 1), "tokens": int(tokens), "skipped": False,
+    }
+    metrics["loss"] = metrics["loss_full"] + cfg.schema_lambda * metrics["loss_schema"]
+    return metrics
+
+
+def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, device):
+    """Right-padded tensors of rows idx, their micro-batches (rows of similar length, each cut to its longest row) and
+    the mini-batch's global normalisers (all micro-batches, all ranks)."""
     idx = sorted(idx, key=lambda i: len(trajs[i].token_ids))
-    batch = build_batch([trajs[i] for i in idx] or [SimpleNamespace(token_ids=[cfg.pad_id], loss_mask=[0],
-                                                                    turn_ids=[-1], sample_logprobs=[0.0])],
-                        cfg.pad_id, device)
-    batch["loss_mask"] *= (~truncated[idx]).float().to(device).unsqueeze(1) if idx else 0.0
+    mb = build_batch([trajs[i] for i in idx] or [SimpleNamespace(token_ids=[cfg.pad_id], loss_mask=[0], turn_ids=[-1],
+                                                                 sample_logprobs=[0.0])], cfg.pad_id, device)
+    mb["loss_mask"] *= (~truncated[idx]).float().to(device).unsqueeze(1) if idx else 0.0
     propose = torch.tensor([trajs[i].episode.propose_turn for i in idx] or [-1], device=device)
-    batch["schema_mask"] = schema_track_mask(batch["loss_mask"], batch["turn_ids"], propose) if dual else \
-        torch.zeros_like(batch["loss_mask"])
-    batch["adv_full"] = adv_full[idx or [0]].to(device).unsqueeze(1) * batch["loss_mask"]  # (B, T) per-row
-    batch["adv_schema"] = adv_schema[idx or [0]].to(device).unsqueeze(1) * batch["schema_mask"]
+    mb["schema_mask"] = schema_track_mask(mb["loss_mask"], mb["turn_ids"], propose) if dual else \
+        torch.zeros_like(mb["loss_mask"])
+    mb["adv_full"] = adv_full[idx or [0]].to(device).unsqueeze(1) * mb["loss_mask"]  # (B, T) per-row
+    mb["adv_schema"] = adv_schema[idx or [0]].to(device).unsqueeze(1) * mb["schema_mask"]
     lengths = [len(trajs[i].token_ids) for i in idx]
     micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
              for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
     if _is_fsdp(model):  # FSDP runs collectives in every forward: all ranks need the same number of micro-batches
-        n_micro = int(_all_max(torch.tensor(max(len(micro), 1), device=device)).item())
+        n_micro = int(_all_sum(torch.tensor(max(len(micro), 1), device=device), dist.ReduceOp.MAX).item())
         micro += [(slice(0, 1), slice(None))] * (n_micro - len(micro))  # extra passes over row 0 (zero mask if no rows)
 
-    # --- global normalisers for the whole step (all micro-batches, all ranks)
     def denom(mask):
         if cfg.agg == "token_mean":
-            n = mask.sum()
-        elif cfg.agg == "seq_mean":
-            n = (mask.sum(1) > 0).sum().float()
-        else:
-            n = torch.tensor(float(mask.shape[0] * cfg.dr_grpo_len), device=device) if idx else mask.sum() * 0
-        return n
+            return mask.sum()
+        if cfg.agg == "seq_mean":
+            return (mask.sum(1) > 0).sum().float()
+        return torch.tensor(float(mask.shape[0] * cfg.dr_grpo_len), device=device) if idx else mask.sum() * 0
     n_full, n_schema, tokens, schema_tokens = _all_sum(torch.stack([
-        denom(batch["loss_mask"]), denom(batch["schema_mask"]), batch["loss_mask"].sum(),
-        batch["schema_mask"].sum()]).float()).tolist()
-
-    ref_logp = []
-    if cfg.kl_beta > 0:
-        if ref_model is None:
-            raise ValueError("kl_beta > 0 needs ref_model (a frozen copy of the initial policy)")
-        with torch.no_grad():
-            ref_logp = [token_logprobs(ref_model, batch["input_ids"][m], batch["loss_mask"][m], cfg.temperature)[0]
-                        for m in micro]
-
-    was_training = model.training
-    model.train()
-    old_logp = [None] * len(micro)
-    sums = dict(loss_full=0.0, loss_schema=0.0, kl_ref=0.0, clip_high=0.0, clip_low=0.0, approx_kl=0.0,
-                entropy=0.0, sampler_kl=0.0)
-    grad_norm = 0.0
-    for epoch in range(cfg.ppo_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        for j, m in enumerate(micro):
-            padding = j * cfg.micro_batch_size >= len(idx)  # an FSDP filler pass: forward/backward, zero loss
-            mask = batch["loss_mask"][m] * (not padding)
-            logp, ent = token_logprobs(model, batch["input_ids"][m], mask, cfg.temperature, with_entropy=epoch == 0)
-            if old_logp[j] is None:
-                # the first pass runs on the pre-update weights, so its own log-probs ARE the old policy's
-                old_logp[j] = logp.detach() if cfg.recompute_old_logp else batch["old_logp"][m]
-                sums["entropy"] += (ent * mask).sum().item()
-                sums["sampler_kl"] += (k3_kl(batch["old_logp"][m], logp.detach()) * mask).sum().item()  # KL(q || π)
-            loss_full, st = policy_loss(logp, old_logp[j], batch["adv_full"][m], mask, cfg.eps_low, cfg.eps_high,
-                                        cfg.agg, n_full)
-            loss = loss_full
-            if dual:
-                loss_schema, _ = policy_loss(logp, old_logp[j], batch["adv_schema"][m], batch["schema_mask"][m] * mask,
-                                             cfg.eps_low, cfg.eps_high, cfg.agg, n_schema)
-                loss = loss + cfg.schema_lambda * loss_schema
-                sums["loss_schema"] += loss_schema.item()
-            if cfg.kl_beta > 0:
-                kl = (k3_kl(logp, ref_logp[j]) * mask).sum() / max(tokens, 1)  # token-mean over the whole step
-                loss = loss + cfg.kl_beta * kl
-                sums["kl_ref"] += kl.item()
-            if loss.requires_grad:  # micro-batch losses already carry the global normaliser: they just add up
-                loss.backward()
-            sums["loss_full"] += loss_full.item()
-            for k in ("clip_high", "clip_low", "approx_kl"):
-                sums[k] += st[k]
-        _sync_grads(model)
-        grad_norm += torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        optimizer.step()
-    model.train(was_training)
-
-    total = dict(zip(sums, _all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()))
-    E = cfg.ppo_epochs
-    metrics |= {
-        "loss_full": total["loss_full"] / E, "loss_schema": total["loss_schema"] / E, "kl_ref": total["kl_ref"] / E,
-        "grad_norm": grad_norm / E, "clip_frac_high": total["clip_high"] / max(tokens * E, 1),
-        "clip_frac_low": total["clip_low"] / max(tokens * E, 1), "approx_kl": total["approx_kl"] / max(tokens * E, 1),
-        "entropy": total["entropy"] / max(tokens, 1), "sampler_kl": total["sampler_kl"] / max(tokens, 1),
-        "tokens": int(tokens), "schema_tokens": int(schema_tokens), "skipped": False,
-    }
-    metrics["loss"] = metrics["loss_full"] + cfg.schema_lambda * metrics["loss_schema"]
-    return metrics
+        denom(mb["loss_mask"]), denom(mb["schema_mask"]), mb["loss_mask"].sum(), mb["schema_mask"].sum()]).float()
+        ).tolist()
+    return mb | dict(micro=micro, rows=len(idx), n_full=n_full, n_schema=n_schema, tokens=tokens,
+                     schema_tokens=schema_tokens)
 
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
     from model import load_model
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--schema-lambda", type=float, default=0.25)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--group-size", type=int, default=4, help="rows per group (default 4)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per synthetic trajectory (default 256)")
+    parser.add_argument("--seed", type=int, default=0, help="(default 0)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     model, tok = load_model("tiny", seed=args.seed)
     G, T, P = args.group_size, args.seq_len, args.seq_len // 4
-    trajs, rewards = [], []
-    for i in range(2 * G):  # two groups of synthetic 2-turn trajectories: turn 0 proposes, turn 1 answers
-        turn = [-1] * P + [0] * ((T - P) // 2) + [1] * (T - P - (T - P) // 2)
-        ep = SimpleNamespace(propose_turn=0, turn_valid=[True, True], final_sql="SELECT 1")
-        trajs.append(SimpleNamespace(token_ids=torch.randint(0, len(tok), (T,)).tolist(), turn_ids=turn,
-                                     loss_mask=[int(t >= 0) for t in turn], sample_logprobs=[0.0] * T,
-                                     episode=ep, stop_reason="answer"))
-        rewards.append({"full": float(i % 3 == 0) + 0.1, "schema": float(i % 2)})
-    cfg = GRPOConfig(group_size=G, schema_lambda=args.schema_lambda)
-    metrics = grpo_step(model, torch.optim.AdamW(model.parameters(), lr=1e-5), trajs, rewards, cfg)
+    turn = [-1] * P + [0] * ((T - P) // 2) + [1] * (T - P - (T - P) // 2)  # turn 0 proposes a schema, turn 1 answers
+    ep = SimpleNamespace(propose_turn=0, turn_valid=[True, True], final_sql="SELECT 1")
+    trajs = [SimpleNamespace(token_ids=torch.randint(0, len(tok), (T,)).tolist(), turn_ids=turn, episode=ep,
+                             loss_mask=[int(t >= 0) for t in turn], sample_logprobs=[0.0] * T, stop_reason="answer")
+             for _ in range(2 * G)]
+    rewards = [{"full": float(i % 3 == 0) + 0.1, "schema": float(i % 2)} for i in range(2 * G)]
+    metrics = grpo_step(model, torch.optim.AdamW(model.parameters(), lr=1e-5), trajs, rewards,
+                        GRPOConfig(group_size=G, schema_lambda=0.25))
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})

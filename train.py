@@ -13,9 +13,7 @@ optimizer/scheduler/RNG/data position; --resume continues the latest one exactly
 holds checkpoints (pass --resume, another --run-name or --overwrite): it never deletes what it did not write.
 """
 import copy
-import functools
 import json
-import math
 import os
 import random
 import shutil
@@ -28,15 +26,18 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
-from eval import trained_settings  # noqa: E402
-from model import load_model, resolve  # noqa: E402
+from data.spider.prepare import spider_sample  # noqa: E402
+from data.teacher import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
+from eval import Logger, evaluate_ex, pass_rates, report, trained_settings  # noqa: E402
+from model import (all_reduce_sum, barrier, distribute, latest_checkpoint, load_model,  # noqa: E402
+                   load_trainer_state, load_weights, make_optimizer, reference_model, replaceable_checkpoints, resolve,
+                   save_checkpoint, setup_distributed, take)
 from rewards import REWARDS  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -45,35 +46,46 @@ hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleav
 # -----------------------------------------------------------------------------
 # recipes: plain dicts of flag defaults from each paper (explicit flags override them)
 
+# Each recipe sets what its paper states (the section is in the comment). Batch sizes count prompts per step (verl's
+# train_batch_size): no paper says prompts or trajectories. No paper gives the clip range (SQL-Trail eq. 2 only has
+# ε_low < ε_high): 0.2 / 0.28 are DAPO's values, our choice for the clip-higher recipes.
 RECIPES = {
-    # TRUST-SQL §3.4, §5.1 and Table 8: dual-track λ=0.25, 10 turns, G=8; App. A.3: keep pass rate < 6/8.
-    # The clip range is not in any of the four papers (SQL-Trail eq. 4 only says ε_low < ε_high): 0.2 / 0.28 are
-    # DAPO's values (Yu et al. 2025), our choice for every clip-higher recipe
-    "trust": dict(protocol="trust", reward="trust", schema_lambda=0.25, max_turns=10, group_size=8,
-                  eps_low=0.2, eps_high=0.28, traj_filter=False),
-    # SQL-Trail §3.1 (clip-higher, no KL), A.5: six-term panel (single track), 10 turns, G=6, top-p 0.99, T=1
-    "trail": dict(protocol="trail", reward="trail", schema_lambda=0.0, max_turns=10, group_size=6,
-                  eps_low=0.2, eps_high=0.28, traj_filter=False, top_p=0.99, temperature=1.0),
-    # MTIR-SQL: trajectory filter, no KL, 6 turns, G=5
-    "mtir": dict(protocol="mtir", reward="mtir", schema_lambda=0.0, max_turns=6, group_size=5,
-                 eps_low=0.2, eps_high=0.2, traj_filter=True),
-    # SkyRL-SQL §4.1: -1/0/1 reward, 5 turns, G=5
-    "skyrl": dict(protocol="skyrl", reward="skyrl", schema_lambda=0.0, max_turns=5, group_size=5,
-                  eps_low=0.2, eps_high=0.2, traj_filter=False),
+    # TRUST-SQL, Qwen3-4B: unknown schema (§4.2), λ 0.25 (§3.4, §5.1); Table 8: SFT lr 1e-5, batch 256, RL lr 1e-6,
+    # batch 32, G 8, 10 turns; App. A.3: keep pass rate < 6/8 over 8 rollouts. Its RL temperature is not stated.
+    "trust": dict(protocol="trust", reward="trust", schema_mode="none", schema_lambda=0.25, max_turns=10,
+                  group_size=8, sft_lr=1e-5, sft_batch_size=256, rl_lr=1e-6, rl_batch_size=32, filter_k=8,
+                  filter_pass_rate=0.75, eps_low=0.2, eps_high=0.28, traj_filter=0, stage="both"),
+    # SQL-Trail: schema in the prompt (App. A.8), no KL, clip-higher (§3.3.1); A.5: SFT lr 1e-5, batch 128, RL lr
+    # 1e-6, batch 128, G 6, 10 turns, T 1.0, top-p 0.99; A.6: 700 questions by S(q) over 6 rollouts + 327 unsolved;
+    # Alg. 1 line 31: a forced final answer
+    "trail": dict(protocol="trail", reward="trail", schema_mode="prompt", schema_lambda=0.0, max_turns=10,
+                  group_size=6, sft_lr=1e-5, sft_batch_size=128, rl_lr=1e-6, rl_batch_size=128, temperature=1.0,
+                  top_p=0.99, filter_k=6, filter_top_n=700, filter_unsolved_n=327, force_final_answer=1,
+                  eps_low=0.2, eps_high=0.28, traj_filter=0, stage="both"),
+    # MTIR-SQL, Qwen3-4B (§4.1): no SFT, schema in the prompt, RL lr 1e-6, batch 64, G 5, T 0.6, 6 turns; no KL and
+    # a trajectory filter (§3.1, eq. 3); no clip-higher
+    "mtir": dict(protocol="mtir", reward="mtir", schema_mode="prompt", schema_lambda=0.0, max_turns=6, group_size=5,
+                 rl_lr=1e-6, rl_batch_size=64, temperature=0.6, filter_k=0, eps_low=0.2, eps_high=0.2, traj_filter=1,
+                 stage="rl"),
+    # SkyRL-SQL, Qwen2.5-Coder-7B-Instruct (§5): no SFT, full schema in the prompt, RL lr 1e-6, batch 256, 35 steps,
+    # G 5, T 0.6, top-p 0.95, 5 turns; the -1 / 0 / 1 reward (§4.1)
+    "skyrl": dict(protocol="skyrl", reward="skyrl", schema_mode="prompt", schema_lambda=0.0, max_turns=5,
+                  group_size=5, rl_lr=1e-6, rl_batch_size=256, rl_steps=35, temperature=0.6, top_p=0.95, filter_k=0,
+                  eps_low=0.2, eps_high=0.2, traj_filter=0, stage="rl"),
 }
-# --model smollm2 (the default): the demo's sizes on top of the recipe, for ~20 minutes on a 2-core CPU. A short
-# system prompt keeps a trajectory near 800 tokens (the paper's prompt alone is 612), which every SFT and GRPO update
-# pays for. The teacher lists the tables (40 observation rows: the gym's largest database has 39), reads the CREATE
+
+# --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
+# paper's alone is 612 tokens); the teacher lists the tables (the gym's largest database has 39), reads the CREATE
 # TABLE of the ones it needs and answers, with no value probes or distractor tables.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=2048, sft_steps=32, sft_batch_size=4, micro_batch_size=4,
             sft_lr=1e-4, warmup_ratio=0.05, rl_steps=4, rl_batch_size=4, group_size=4, rl_lr=5e-6, filter_k=0,
-            filter_limit=0, filter_drop_unsolved=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
+            filter_limit=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
              rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2, teacher_limit=16, eval_limit=4, eval_every=0,
              ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024, filter_k=0, filter_limit=0,
-             filter_drop_unsolved=0, run_name="quick")
+             run_name="quick")
 
 
 def get_parser(add_help=True):
@@ -97,6 +109,8 @@ def get_parser(add_help=True):
     a("--schema-mode", default="none", choices=env.SCHEMA_MODES, help="none: unknown schema (the papers)")
     a("--brief-prompt", type=int, default=0, help="1 = a short system prompt instead of the paper's (CPU demo)")
     a("--obs-rows", type=nonneg, default=0, help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
+    a("--force-final-answer", type=int, default=0, help="1: out of turns without an answer, one more turn that must "
+      "answer and is scored (SQL-Trail Alg. 1 line 31)")
     a("--teacher-probes", type=nonneg, default=2, help="filtered columns whose values the teacher probes")
     a("--teacher-distractors", type=nonneg, default=1, help="extra tables whose schema the teacher reads")
     a("--teacher-list-tables", type=int, default=1, help="0: the teacher skips listing tables (shorter)")
@@ -120,10 +134,25 @@ def get_parser(add_help=True):
     a("--eps-low", type=float, default=0.2, help="PPO clip below 1")
     a("--eps-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher)")
     a("--traj-filter", type=int, default=0, help="MTIR trajectory filter: drop truncated / unfinished rollouts")
-    a("--dynamic-sampling", type=int, default=0, help="1: leave groups with equal rewards out of the update (DAPO)")
-    a("--ppo-epochs", type=pos, default=1, help="updates per batch of rollouts (>1 makes the clip matter)")
+    a("--dynamic-sampling", type=int, default=0, help="1: roll fresh prompts until every group has reward variance "
+      "(DAPO); groups still flat are left out of the update")
+    a("--dynamic-sampling-rounds", type=nonneg, default=3, help="extra rollout rounds per step at most (the cap)")
+    a("--ppo-epochs", type=pos, default=1, help="passes over each batch of rollouts")
+    a("--ppo-mini-batch-size", type=nonneg, default=0, help="prompts per optimizer step (verl's ppo_mini_batch_size): "
+      "the batch's groups split into rl-batch-size / this steps, old log-probs taken before the first (0 = whole batch)")
+    a("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen copy of the starting policy (0 = off, as "
+      "SQL-Trail and MTIR)")
+    a("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"], help="token losses -> one number: "
+      "DAPO token mean, GRPO sequence mean, Dr. GRPO sum / (sequences x max-total-tokens)")
+    a("--scale-std", type=int, default=1, help="0: advantages not divided by the group std (Dr. GRPO)")
+    a("--mask-truncated", type=int, default=0, help="1: trajectories cut by a length limit stay out of the loss")
+    a("--naive-schema-weight", type=float, default=0.0, help="TRUST's single-track ablation: full reward += w x "
+      "schema reward, one track (use with --schema-lambda 0)")
     a("--filter-pass-rate", type=float, default=0.75, help="keep questions with pass rate below this (TRUST <6/8)")
-    a("--filter-drop-unsolved", type=int, default=0, help="1: also drop pass rate 0 (SQL-Trail's hard-but-solvable)")
+    a("--filter-top-n", type=nonneg, default=0, help="SQL-Trail A.6: keep the N questions of lowest difficulty score "
+      "S(q) (eq. 13) instead of the pass-rate rule (0 = TRUST's rule)")
+    a("--filter-unsolved-n", type=nonneg, default=0, help="with --filter-top-n: also keep this many never-solved "
+      "questions (SQL-Trail's exploration set)")
     a("--filter-k", type=nonneg, default=8, help="rollouts per question for the difficulty filter (0 = no filter)")
     a("--filter-limit", type=nonneg, default=0, help="candidate questions for the filter (0 = all)")
     # optimisation
@@ -166,290 +195,42 @@ def get_args(argv=None):
     return parser.parse_args(argv)
 
 # -----------------------------------------------------------------------------
-# distributed setup: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain python is a world of one
-
-
-def setup_distributed(args):
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        cuda = args.device.startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if cuda else "gloo")
-    device = f"cuda:{local}" if args.device.startswith("cuda") else args.device
-    return rank, world, device
-
-
-def all_reduce_sum(x):
-    if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-# -----------------------------------------------------------------------------
-# SFT data: chat-message trajectories -> token ids + a loss mask covering only the agent's tokens
-
-
-def render(tokenizer, messages, add_generation_prompt=False):
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def tokenize_chat(messages, tokenizer):
-    """(ids, mask) for one trajectory. The chat template renders growing prefixes; each new piece is tokenized on its
-    own, which is how rollout builds sequences (prompt, sampled turn, observation...). mask = 1 on an assistant
-    turn's content and its closing eos, 0 on the prompt, role headers and observations."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; SFT renders trajectories with it. Use a chat model or "
-                         "set tokenizer.chat_template (model.CHAT_TEMPLATE is ChatML)")
-    eos = tokenizer.eos_token
-    ids, mask, done = [], [], ""
-
-    def add(text, trained):
-        if text:
-            piece = tokenizer.encode(text, add_special_tokens=False)
-            ids.extend(piece)
-            mask.extend([int(trained)] * len(piece))
-
-    for i, msg in enumerate(messages):
-        full = render(tokenizer, messages[: i + 1])
-        if msg["role"] == "assistant":
-            head = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-            end = full.find(eos, len(head) + len(msg["content"]))
-            if not head.startswith(done) or not full.startswith(head) or end < 0:
-                raise ValueError("chat template is not prefix-stable around assistant turns (e.g. it drops earlier "
-                                 "<think> blocks); multi-turn training needs one that renders history unchanged")
-            add(head[len(done):], False)  # "<|im_start|>assistant\n"
-            add(full[len(head): end + len(eos)], True)  # the turn and its eos: what the policy samples
-            add(full[end + len(eos):], False)  # template tail after eos ("\n")
-        else:
-            if not full.startswith(done):
-                raise ValueError("chat template is not prefix-stable: rendering more messages changed earlier text")
-            add(full[len(done):], False)
-        done = full
-    return ids, mask
-
-
-def load_sft_data(path, tokenizer, max_len, rank=0):
-    """Tokenized trajectories from a JSONL of {"messages": [...]}; too long ones are dropped (and counted)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"SFT data {path} not found; write it with `python data/teacher.py --out {path}`")
-    rows, too_long = [], 0
-    for line in path.read_text().splitlines():
-        if line.strip():
-            ids, mask = tokenize_chat(json.loads(line)["messages"], tokenizer)
-            if len(ids) > max_len:
-                too_long += 1
-            else:
-                rows.append((ids, mask))
-    if not rows:
-        raise ValueError(f"{path}: no usable SFT trajectories ({too_long} longer than --max-total-tokens {max_len})")
-    if rank == 0:
-        lens = [len(r[0]) for r in rows]
-        agent = [sum(r[1]) for r in rows]
-        print(f"sft data: {len(rows)} trajectories, mean {np.mean(lens):.0f} tokens ({np.mean(agent):.0f} agent), "
-              f"max {max(lens)}, dropped {too_long} longer than {max_len}")
-    return rows
-
-
-def spider_sample(spider_dir, n):
-    """A fixed sample of n Spider dev questions (the same for every run, so seeds compare on the same questions);
-    [] when the folder has no dev.json."""
-    if not (Path(spider_dir) / "dev.json").is_file():
-        return []
-    from data.spider.prepare import load_spider
-    records, _ = load_spider(Path(spider_dir))
-    return [{**r, "db_path": str(r["db_path"])} for r in random.Random(0).sample(records, min(n, len(records)))]
-
-
-def pad_batch(rows, pad_id, device):
-    """Right-padded (B, T) ids, (B, T) loss mask."""
-    T = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, (x, m) in enumerate(rows):
-        ids[i, : len(x)], mask[i, : len(m)] = torch.tensor(x), torch.tensor(m)
-    return ids.to(device), mask.to(device)
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(n, seed, epoch):
-    """A fixed permutation per (seed, epoch): the data order depends only on the position, so resume replays it."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
-
-
-def take(n, batch_size, seed, position):
-    """Indices [position, position + batch_size) of the endless sequence of epoch permutations."""
-    out = []
-    while len(out) < batch_size:
-        epoch, i = divmod(position, n)
-        out.append(epoch_order(n, seed, epoch)[i])
-        position += 1
-    return out
-
-
-class AgentTokenLoss(torch.nn.Module):
-    """SFT loss as a module, so DDP wraps the whole computation: summed next-token NLL over agent tokens divided by
-    ALL ranks' agent tokens, x world because DDP averages gradients. The LM head runs only on positions that predict
-    an agent token: most of a multi-turn sequence is prompt and observations."""
-
-    def __init__(self, model, full_forward=False):
-        super().__init__()
-        self.model, self.full_forward = model, full_forward  # FSDP: go through the root module's forward
-
-    def forward(self, ids, mask, global_tokens, world):  # ids, mask: (B, T), right padded
-        target = mask[:, 1:] > 0  # position t-1 predicts token t
-        if self.full_forward:
-            logits = self.model(input_ids=ids).logits[:, :-1][target].float()  # (N, V)
-        else:
-            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1][target]  # (N, D)
-            logits = self.model.get_output_embeddings()(hidden).float()  # (N, V)
-        return F.cross_entropy(logits, ids[:, 1:][target], reduction="sum") / global_tokens * world
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: save_pretrained weights + tokenizer, trainer state, per-rank RNG; temp dir then atomic rename
-
-
-def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def full_state_dict(model, fsdp):
-    if not fsdp:
-        return None  # save_pretrained reads the (unwrapped) module itself
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def optim_state(model, optimizer, fsdp):
-    if not fsdp:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
-    """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
-    final, tmp = run_dir / f"ckpt-{gstep:06d}", run_dir / f".tmp-ckpt-{gstep:06d}"
-    weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
-    opt = optim_state(model, optimizer, args.fsdp)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        unwrap(model).save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"optimizer": opt, "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "global_step": gstep, "args": vars(args)}, indent=1))
-    barrier()
-    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")  # every rank its own stream
-    barrier()
-    if rank == 0:
-        # atomic: a kill leaves either the old set or the complete new one. `final` cannot exist (a new run starts
-        # without checkpoints, a resumed one past its latest): nothing is deleted before the new one is in place
-        os.replace(tmp, final)
-        for old in sorted(run_dir.glob("ckpt-*"))[: -args.keep_ckpts]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-def latest_checkpoint(run_dir):
-    ckpts = sorted(Path(run_dir).glob("ckpt-*"))
-    return ckpts[-1] if ckpts else None
-
-
-def load_trainer_state(path, model, optimizer, scheduler, args, rank):
-    """Optimizer, scheduler and this rank's RNG from a checkpoint (its weights are loaded before sharding)."""
-    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
-    if args.fsdp and dist.is_initialized():
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(model, optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(trainer["optimizer"])
-    scheduler.load_state_dict(trainer["scheduler"])
-    rng = path / f"rng-rank{rank}.pt"
-    if rng.exists():
-        set_rng_state(torch.load(rng, weights_only=False))
-
-
-def load_weights(model, path):
-    """save_pretrained safetensors -> model. Tied embeddings are stored once; anything else missing is an error."""
-    from safetensors.torch import load_file
-    weights = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        weights.update(load_file(f))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if [k for k in missing if "lm_head" not in k] or unexpected:
-        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected "
-                         f"{unexpected[:3]}); was it written by a run with another --model?")
-    return model
-
-
-def make_optimizer(model, lr, steps, args):
-    """AdamW (betas 0.9/0.95, SQL-Trail A.5) with linear warmup then cosine decay."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
-    warm = max(1, int(args.warmup_ratio * steps))
-    cosine = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
-
-# -----------------------------------------------------------------------------
 # RL: rollouts -> rewards -> GRPO, with the difficulty filter in front
 
 
-def rollout_kwargs(args, temperature=None):
+def rollout_kwargs(args, **over):
     return dict(group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                max_total_tokens=args.max_total_tokens, temperature=args.temperature if temperature is None else
-                temperature, top_p=args.top_p, schema_mode=args.schema_mode)
+                max_total_tokens=args.max_total_tokens, temperature=args.temperature, top_p=args.top_p,
+                schema_mode=args.schema_mode) | over
 
 
 def difficulty_filter(policy, tokenizer, examples, args, rank, world):
-    """TRUST App. A.3: roll each candidate k times with the current policy, keep pass rate < threshold.
-    Each rank filters a strided share; the kept ids are gathered so every rank holds the same pool."""
-    from rewards import REWARDS
-    from rollout import rollout
-    mine = examples[rank::world]
-    kept, chunk = [], max(1, 64 // args.filter_k)
-    kw = rollout_kwargs(args) | {"group_size": args.filter_k}
-    for start in range(0, len(mine), chunk):
-        part = mine[start: start + chunk]
-        with torch.no_grad():
-            trajs = rollout(policy, tokenizer, part, args.protocol, seed=args.seed * 7919 + rank * 104729 + start, **kw)
-        for i, ex in enumerate(part):
-            group = trajs[i * args.filter_k: (i + 1) * args.filter_k]
-            rate = np.mean([REWARDS[args.reward](t, ex)["correct"] for t in group])
-            if rate < args.filter_pass_rate and (rate > 0 or not args.filter_drop_unsolved):
-                kept.append(ex["id"])
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, kept)
-        kept = [i for part in gathered for i in part]
-    kept = set(kept)
-    return [ex for ex in examples if ex["id"] in kept]
+    """Pass rate of each candidate over --filter-k rollouts of the current policy (each rank one continuous batch of
+    a strided share; rates gathered so every rank holds the same pool), then the recipe's rule (select_rl_pool)."""
+    rates = pass_rates(policy, tokenizer, examples[rank::world], REWARDS[args.reward], rank, world, args.filter_k,
+                       batch_size=args.eval_batch_size, seed=args.seed * 7919 + rank, protocol=args.protocol,
+                       **rollout_kwargs(args, group_size=args.filter_k))
+    pool = select_rl_pool(examples, rates, args)
+    rule = (f"S(q) top {args.filter_top_n} + {args.filter_unsolved_n} unsolved" if args.filter_top_n else
+            f"pass rate < {args.filter_pass_rate}")
+    if rank == 0:
+        print(f"difficulty filter: kept {len(pool)}/{len(examples)} by {rule} over {args.filter_k} rollouts")
+    if not pool:
+        raise ValueError("the difficulty filter kept no question: raise --filter-pass-rate or --filter-top-n")
+    return pool
+
+
+def select_rl_pool(examples, rates, args):
+    """TRUST App. A.3: keep pass rate < --filter-pass-rate. SQL-Trail A.6 (--filter-top-n N): rank by the difficulty
+    score S(q) = rate if 0 < rate < 1 else 1 (eq. 13), keep the N lowest (hard but solvable), plus the first
+    --filter-unsolved-n never-solved questions as its exploration set."""
+    if not args.filter_top_n:
+        return [ex for ex in examples if rates[ex["id"]] < args.filter_pass_rate]
+    score = lambda ex: rates[ex["id"]] if 0 < rates[ex["id"]] < 1 else 1.0  # noqa: E731
+    keep = {ex["id"] for ex in sorted(examples, key=score)[: args.filter_top_n]}  # stable sort: ties keep data order
+    unsolved = [ex["id"] for ex in examples if rates[ex["id"]] == 0 and ex["id"] not in keep]
+    keep |= set(unsolved[: args.filter_unsolved_n])
+    return [ex for ex in examples if ex["id"] in keep]
 
 
 def rl_step_metrics(trajs, rewards, times, grpo_metrics, world):
@@ -468,98 +249,6 @@ def rl_step_metrics(trajs, rewards, times, grpo_metrics, world):
     out |= {f"time_{k}": v for k, v in times.items()}
     out |= {k: v for k, v in grpo_metrics.items() if isinstance(v, (int, float, bool))}
     return out
-
-# -----------------------------------------------------------------------------
-# evaluation, logging, curves
-
-
-def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
-    """Greedy EX of every eval set {name: examples} from ONE continuous batch over this rank's share of all of them
-    (one tail of long rows instead of one per set), each set scored by its own rule; summed over ranks."""
-    from eval import run_agent, score
-    mine = {name: examples[rank::world] for name, examples in evalsets.items()}
-    flat = [ex for examples in mine.values() for ex in examples]
-    trajs, _ = run_agent(unwrap(model), tokenizer, flat, group_size=1, batch_size=args.eval_batch_size, desc="eval",
-                         protocol=args.protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
-                         max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
-                         temperature=0.0, top_p=1.0, seed=args.seed)
-    out, start = {}, 0
-    for name, examples in mine.items():
-        part, start = trajs[start:start + len(examples)], start + len(examples)
-        spider = all(ex.get("source") == "spider" for ex in evalsets[name])
-        ok = score(examples, [t.episode.final_sql for t in part], "spider" if spider else "bird")[0] if part else []
-        tot = all_reduce_sum(torch.tensor([sum(ok), sum(t.num_turns for t in part), len(part)],
-                                          dtype=torch.float64)).tolist()
-        out[name] = {"ex": tot[0] / max(tot[2], 1), "turns": tot[1] / max(tot[2], 1), "n": int(tot[2])}
-    return out
-
-
-class Logger:
-    """metrics.jsonl (+ wandb) on rank 0. On resume, lines past the checkpoint are dropped so the log stays exact."""
-
-    def __init__(self, run_dir, args, rank, gstep):
-        self.on, self.path, self.wandb = rank == 0, run_dir / "metrics.jsonl", None
-        if not self.on:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        old = self.path.read_text().splitlines() if self.path.exists() and args.resume else []
-        self.path.write_text("".join(line + "\n" for line in old if json.loads(line)["gstep"] <= gstep))
-        if args.wandb:
-            import wandb
-            self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), resume="allow")
-
-    def log(self, row):
-        if self.on:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if self.wandb:
-                self.wandb.log(row, step=row["gstep"])
-
-    def rows(self):
-        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
-
-
-def plot_curves(rows, path):
-    """curves.png: SFT loss, RL reward, dev EX and turns on one time line of global steps, the SFT -> RL switch
-    dashed. Returns False without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
-    rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
-    ev = [r for r in rows if any(k.endswith("_ex") for k in r)]
-    x = lambda rs: [r["gstep"] for r in rs]  # noqa: E731
-    fig, ax = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
-    ax[0].plot(x(sft), [r["loss"] for r in sft])
-    ax[0].set(title="SFT", ylabel="masked NLL per agent token")
-    ax[1].plot(x(rl), [r["reward_full"] for r in rl], label="reward (full track)")
-    if rl and "reward_schema" in rl[0]:
-        ax[1].plot(x(rl), [r["reward_schema"] for r in rl], label="reward (schema track)")
-    ax[1].plot(x(rl), [r["ex"] for r in rl], label="EX of the rollouts")
-    ax[1].set(title="RL rollouts (mean per step)", ylabel="reward / EX")
-    ax[1].legend(fontsize=8)
-    for key in ("dev_ex", "test_ex", "spider_ex"):  # the evals after each stage (and every --eval-every steps)
-        pts = [(r["gstep"], 100 * r[key]) for r in ev if key in r]
-        if pts:
-            ax[2].plot(*zip(*pts), "o-", label=key[:-3])
-            for p in pts:
-                ax[2].annotate(f"{p[1]:.0f}", p, textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
-    ax[2].set(title="greedy EX", ylabel="EX (%)")
-    ax[2].legend(fontsize=8)
-    ax[3].plot(x(rl), [r["turns"] for r in rl])
-    ax[3].set(title="RL rollouts", ylabel="turns per trajectory")
-    for a in ax:
-        a.set_xlabel("global step (SFT, then RL)")
-        if sft and rl:
-            a.axvline(sft[-1]["gstep"] + 0.5, color="gray", ls="--", lw=0.8)
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
 
 # -----------------------------------------------------------------------------
 # the two stages
@@ -605,51 +294,62 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
 
 def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
     """Multi-turn GRPO: each rank rolls out its share of prompts (whole groups), rewards, one grpo_step."""
-    from grpo import GRPOConfig, grpo_step
-    from rewards import REWARDS
-    from rollout import rollout
+    from grpo import grpo_step
+    from rollout import rollout_with_signal
     rank, world, log = ctx["rank"], ctx["world"], ctx["log"]
     if args.fsdp and world > 1:
         raise NotImplementedError("--fsdp covers SFT only: rollout.py and grpo.grpo_step read the LM head directly and "
                                   "all-reduce full gradients, which assumes replicated (DDP-style) parameters. Run RL "
                                   "without --fsdp from the SFT checkpoint (--stage rl --model out/<run-name>/ckpt-...)")
-    if args.rl_batch_size % world:
-        raise ValueError(f"--rl-batch-size {args.rl_batch_size} must be a multiple of the world size {world}")
     opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
     if ckpt is not None:
         load_trainer_state(ckpt, model, opt, sched, args, rank)
-    cfg = GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
-                     eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
-                     micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
-                     trajectory_filter=bool(args.traj_filter), dynamic_sampling=bool(args.dynamic_sampling),
-                     ppo_epochs=args.ppo_epochs, pad_id=tokenizer.pad_token_id)
-    reward_fn = REWARDS[args.reward]
+    cfg = grpo_config(args, tokenizer.pad_token_id)
+    ref = reference_model(ctx["policy"](), ctx["run_dir"], rank) if args.kl_beta > 0 else None
+
+    def refill(n):  # DAPO's fresh prompts: their own stream, its position checkpointed, so a resume draws the same
+        idx = take(len(pool), n, args.seed + 2 + 1000 * rank, state["refill"])
+        state["refill"] += n
+        return [pool[i] for i in idx]
     bar = tqdm(range(state["step"], args.rl_steps), desc="rl", disable=rank != 0, initial=state["step"],
                total=args.rl_steps)
     for step in bar:
         idx = take(len(pool), args.rl_batch_size, args.seed + 1, step * args.rl_batch_size)
         mine = [pool[i] for i in idx[rank::world]]  # whole groups stay on one rank
         t0 = time.perf_counter()
-        seed = (args.seed * 100_003 + step) * 1009 + rank
-        trajs = rollout(ctx["policy"](), tokenizer, mine, args.protocol, seed=seed, **rollout_kwargs(args))
+        trajs, rewards, ds = rollout_with_signal(
+            ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], refill=refill if
+            args.dynamic_sampling else None, rounds=args.dynamic_sampling_rounds,
+            seed=(args.seed * 100_003 + step) * 1009 + rank, **rollout_kwargs(args))
         t1 = time.perf_counter()
-        rewards = [reward_fn(t, t.example) for t in trajs]
-        t2 = time.perf_counter()
         model.train()
         with ctx["autocast"]():
-            gm = grpo_step(model, opt, trajs, rewards, cfg)
+            gm = grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
         sched.step()
-        t3 = time.perf_counter()
-        # rollout = generation + the tool calls it makes; env = executing final SQL against gold for the rewards
-        times = {"rollout": t1 - t0, "env": t2 - t1, "update": t3 - t2}
+        # rollout = generation + its tool calls + the rewards (executing each final SQL against gold)
+        times = {"rollout": t1 - t0, "update": time.perf_counter() - t1}
         state["step"], state["gstep"] = step + 1, state["gstep"] + 1
         row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": sched.get_last_lr()[0],
-               **rl_step_metrics(trajs, rewards, times, gm, world)}
+               **rl_step_metrics(trajs, rewards, times, gm, world), **ds}
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.rl_steps:
             row["dev_ex"] = evaluate_ex(ctx["policy"](), tokenizer, {"dev": ctx["dev"]}, args, rank, world)["dev"]["ex"]
         log.log(row)
         bar.set_postfix(reward=f"{row['reward_full']:.2f}", ex=f"{row['ex']:.2f}", turns=f"{row['turns']:.1f}")
         ctx["maybe_save"](opt, sched, final=step + 1 == args.rl_steps)
+
+
+def grpo_config(args, pad_id):
+    from grpo import GRPOConfig
+    return GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
+                      eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
+                      micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
+                      trajectory_filter=bool(args.traj_filter), dynamic_sampling=bool(args.dynamic_sampling),
+                      ppo_epochs=args.ppo_epochs, mini_batches=args.rl_batch_size // (args.ppo_mini_batch_size or
+                                                                                       args.rl_batch_size),
+                      kl_beta=args.kl_beta, agg=args.agg, dr_grpo_len=args.max_total_tokens,
+                      scale_std=bool(args.scale_std), mask_truncated=bool(args.mask_truncated),
+                      naive_schema_weight=args.naive_schema_weight, pad_id=pad_id)
+
 
 # -----------------------------------------------------------------------------
 
@@ -680,13 +380,14 @@ def main(argv=None):
         model_path = resolve(args.model)  # a missing folder, a Hub id neither cached nor reachable, smollm2's fetch
     except (OSError, RuntimeError) as e:
         raise env.UserError(e) from None
-    old = [] if args.resume else sorted(run_dir.glob("ckpt-*"))
-    if old and Path(args.model).resolve().is_relative_to(run_dir.resolve()):
-        raise env.UserError(f"--model {args.model} is inside {run_dir}, whose checkpoints a new run would replace: "
-                            "pass another --run-name (or --resume to continue that run)")
-    if old and not args.overwrite:
-        raise env.UserError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it, another "
-                            "--run-name, or --overwrite to replace them")
+    try:
+        old = replaceable_checkpoints(run_dir, args.model, args.resume, args.overwrite)
+    except ValueError as e:
+        raise env.UserError(e) from None
+    mini = args.ppo_mini_batch_size or args.rl_batch_size
+    if args.rl_batch_size % mini or mini % world:
+        raise env.UserError(f"--ppo-mini-batch-size {mini} must divide --rl-batch-size {args.rl_batch_size} and be a "
+                            f"multiple of the world size {world}")
 
     # --- data: default to the gym (built once, by rank 0)
     if None in (args.data, args.dev_data, args.test_data):
@@ -712,7 +413,7 @@ def main(argv=None):
 
     # --- resume: the latest checkpoint's state decides which stage and step we are at
     ckpt = latest_checkpoint(run_dir) if args.resume else None
-    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "rl_pool": None}
+    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "rl_pool": None, "refill": 0}
     if ckpt is not None:
         saved = json.loads((ckpt / "state.json").read_text())
         state.update({k: v for k, v in saved.items() if k in state}, gstep=saved["global_step"])
@@ -733,7 +434,7 @@ def main(argv=None):
     if master and args.spider_limit and not spider:
         print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
     base_protocol = args.protocol
-    args.protocol = env.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows)
+    args.protocol = env.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.force_final_answer)
     try:
         evalsets = {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
         return run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, rank, world, device)
@@ -746,31 +447,13 @@ def main(argv=None):
 
 def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, rank, world, device):
     """Both stages and the report, after setup (main)."""
-    master, cuda = rank == 0, device.startswith("cuda")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{args.model}: tokenizer has no chat template; sqlrl needs one to render turns")
+    master = rank == 0
     if ckpt is not None:  # weights first; optimizer state is loaded by the stage that owns it
         model = load_weights(model, ckpt)
     bf16 = args.dtype == "bf16"
     sampler = copy.deepcopy(model).to(torch.bfloat16) if bf16 and not args.fsdp else model
-    if cuda:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
     autocast = (lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16)) if bf16 else nullcontext
-    if args.fsdp and world > 1:
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    elif world > 1:  # same starting weights everywhere (DDP would do it too, but RL uses the bare model)
-        for p in model.state_dict().values():
-            dist.broadcast(p, 0)
-
-    def wrap(m):
-        if world > 1 and not args.fsdp:
-            from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(m, device_ids=[int(os.environ.get("LOCAL_RANK", 0))] if cuda else None)
-        return m
+    wrap = distribute(model, args.fsdp, world, device)  # SFT's loss module goes through wrap (DDP); RL uses the model
 
     log = Logger(run_dir, args, rank, state["gstep"])
 
@@ -801,6 +484,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         return out
 
     ctx = dict(rank=rank, world=world, device=device, log=log, wrap=wrap, autocast=autocast, maybe_save=maybe_save,
+               run_dir=run_dir,
                dev=evalsets["dev"], policy=policy)
 
     def record_eval(tag):
@@ -839,14 +523,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
             if args.filter_k:
                 cands = train[: args.filter_limit or None]
                 pool = timed("filter", difficulty_filter, policy(), tokenizer, cands, args, rank, world)
-                if master:
-                    print(f"difficulty filter: kept {len(pool)}/{len(cands)} ({100 * len(pool) / len(cands):.1f}%) "
-                          f"with pass rate < {args.filter_pass_rate}{' and > 0' if args.filter_drop_unsolved else ''} "
-                          f"over {args.filter_k} rollouts")
                 log.log({"stage": "filter", "step": 0, "gstep": state["gstep"], "filter_candidates": len(cands),
                          "filter_kept": len(pool)})
-                if not pool:
-                    raise ValueError("the difficulty filter kept no question: raise --filter-pass-rate")
             state["rl_pool"] = [ex["id"] for ex in pool]
         by_id = {ex["id"]: ex for ex in train}
         pool = [by_id[i] for i in state["rl_pool"]]
@@ -854,20 +532,9 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
               ckpt if ckpt is not None and state["step"] else None)
         record_eval("rl")
 
-    # --- report
+    # --- report: the EX table, stage seconds, results.json and curves.png
     if master:
-        print("\n| checkpoint | " + " | ".join(f"{name} EX %" for name in evalsets) + " |\n"
-              + "|---" * (1 + len(evalsets)) + "|")
-        for label, tag in [("SFT", "sft"), ("SFT + RL", "rl")]:
-            if tag in state["evals"]:
-                e = state["evals"][tag]
-                print(f"| {label} | " + " | ".join(f"{100 * e[name]['ex']:.1f}" for name in e) + " |")
-        print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
-        if plot_curves(log.rows(), run_dir / "curves.png"):
-            print(f"wrote {run_dir / 'curves.png'}")
-        (run_dir / "results.json").write_text(json.dumps({**state["evals"], "seconds": times}, indent=1))
-        if log.wandb:
-            log.wandb.finish()
+        report(run_dir, state["evals"], times, log)
     return state
 
 

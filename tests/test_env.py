@@ -17,6 +17,7 @@ import time
 import pytest
 
 import env
+from data import sandbox
 
 RUNAWAYS = {  # each runs for minutes without the timeout
     "recursive CTE without LIMIT": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
@@ -190,7 +191,7 @@ def test_result_bytes_are_capped_so_huge_rows_cannot_exhaust_memory(pets):
     rows_of_900kb = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 10000) "
                      "SELECT zeroblob(900000) FROM c")
     r = env.run_sql(pets, rows_of_900kb)  # 9 GB if fetched in full
-    assert r.error is None and r.truncated and len(r.rows) * 900_000 <= env.MAX_RESULT_BYTES + 900_000
+    assert r.error is None and r.truncated and len(r.rows) * 900_000 <= sandbox.MAX_RESULT_BYTES + 900_000
 
 
 def test_pragma_functions_join_like_agents_write_them(pets):
@@ -660,3 +661,22 @@ def test_prompt_keeps_braces_in_question_verbatim(tmp_path):
         text = "\n".join(m["content"] for m in proto.build_messages(ex, "none", 5))
         assert "What does {max_turns} mean?" in text, name
         assert "see {question}" in text, name
+
+
+def test_out_of_turns_sql_trail_forces_one_final_answer_turn(pets):
+    trail = env.protocol_variant("trail", False, 0, force_final=True)
+    query, answer = "<reasoning>r</reasoning><sql>SELECT 1</sql>", "<reasoning>r</reasoning><solution>SELECT 1</solution>"
+    ep = env.new_episode(_example(pets), trail, max_turns=2)
+    env.step(ep, query)
+    obs, done = env.step(ep, query)  # the budget is spent without an answer: Alg. 1 line 31 asks for one
+    assert not done and "no turns left" in obs and "<solution>" in obs
+    assert env.pending_sql(ep, query) is None  # the forced turn runs no SQL...
+    obs, done = env.step(ep, answer)  # ...and an answer in it is the episode's answer, scored as any other
+    assert done and ep.stop_reason == "answer" and ep.final_sql == "SELECT 1" and len(ep.actions) == 3
+    ep = env.new_episode(_example(pets), trail, max_turns=2)
+    env.step(ep, query), env.step(ep, query)
+    _, done = env.step(ep, query)  # a forced turn that queries again ends the episode unanswered
+    assert done and ep.stop_reason == "max_turns" and ep.final_sql is None and ep.num_tool_calls == 2
+    plain = env.new_episode(_example(pets), "trail", max_turns=2)
+    env.step(plain, query)
+    assert env.step(plain, query) == (None, True) and plain.stop_reason == "max_turns"

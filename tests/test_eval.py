@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+import rewards
 from data.bird.prepare import bird_ves, load_bird, machine, r_ves_reward, time_ratio, write_bird_predictions
 from data.spider.prepare import MISSING_SQL, load_spider, remove_distinct, spider_hardness, write_spider_files
 from env import SQLResult
@@ -129,7 +130,7 @@ def concert_db(tmp_path_factory):
 ])
 def test_error_taxonomy(concert_db, gold, pred, label, detail):
     example = {"db_path": concert_db, "gold_sql": gold, "question": "?"}
-    got, why = ev.classify_failure(example, pred)
+    got, why = rewards.classify_failure(example, pred)
     assert got == label, why
     assert detail in why
 
@@ -140,8 +141,8 @@ def test_gold_queries_reference_no_unknown_names(spider_dir):
     for r in json.loads((spider_dir / "dev.json").read_text()):
         db = spider_dir / "database" / r["db_id"] / f"{r['db_id']}.sqlite"
         if db.exists():
-            tree = ev.parse_query(r["query"])
-            if tree is None or ev.unknown_names(tree, str(db)):
+            tree = rewards.parse_query(r["query"])
+            if tree is None or rewards.unknown_names(tree, str(db)):
                 flagged.append(r["query"])
     assert flagged == []
 

@@ -250,6 +250,34 @@ def test_kl_needs_reference_and_is_zero_against_itself():
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_one_step_per_batch_never_clips_but_a_second_mini_batch_does():
+    # rewards alternate inside every group, so all four groups carry an advantage
+    trajs, rewards = _trajs(8), [{"full": float(i % 2), "schema": None} for i in range(8)]
+    model = _tiny_model()
+    one = grpo_step(model, torch.optim.SGD(model.parameters(), lr=5.0), trajs, rewards,
+                    GRPOConfig(group_size=2, grad_clip=1e9))
+    # the only pass runs on the weights that sampled: ratio exactly 1, so clip-higher cannot act
+    assert one["optimizer_steps"] == 1 and one["approx_kl"] == 0 and one["clip_frac_high"] == one["clip_frac_low"] == 0
+    model = _tiny_model()
+    two = grpo_step(model, torch.optim.SGD(model.parameters(), lr=5.0), trajs, rewards,
+                    GRPOConfig(group_size=2, grad_clip=1e9, mini_batches=2))
+    # groups 3-4 are scored against the weights before step 1: their ratio moved, and the big step hits the clip
+    assert two["optimizer_steps"] == 2 and two["approx_kl"] > 0 and two["clip_frac_high"] + two["clip_frac_low"] > 0
+
+
+def test_kl_gradient_pulls_the_policy_back_to_the_reference():
+    ref, model = _tiny_model(0), _tiny_model(0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    trajs, cfg = _trajs(4), GRPOConfig(group_size=2, kl_beta=1.0, grad_clip=1e9)
+    flat = [{"full": 0.5, "schema": None}] * 4  # equal rewards: zero advantages, the KL term is the whole loss
+    before = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.05), trajs, flat, cfg, ref_model=ref)
+    after = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trajs, flat, cfg, ref_model=ref)
+    assert before["kl_ref"] > 0 and after["kl_ref"] < 0.9 * before["kl_ref"]
+
+
 def test_bad_group_shape_is_a_clear_error():
     model = _tiny_model()
     with pytest.raises(ValueError, match="groups of 3"):

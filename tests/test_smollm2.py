@@ -10,7 +10,7 @@ import env
 import rollout
 import train
 from grpo import GRPOConfig, build_batch, grpo_step, token_logprobs
-from model import load_model
+from model import load_model, save_checkpoint
 from rewards import REWARDS
 
 
@@ -114,7 +114,7 @@ def test_one_grpo_step_moves_smollm2_along_the_advantage_and_saves_a_plain_check
     after = mean_logp()
     assert after[0] > before[0] and after[1] < before[1]  # the correct answer up, the wrong one down
 
-    ckpt = train.save_checkpoint(tmp_path, 1, model, tokenizer, opt, sched, {"stage": "rl", "step": 1}, args, 0, 1)
+    ckpt = save_checkpoint(tmp_path, 1, model, tokenizer, opt, sched, {"stage": "rl", "step": 1}, args, 0, 1)
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)  # a bare from_pretrained
     pretrained = smol[0].state_dict()
     saved = loaded.state_dict()

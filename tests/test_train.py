@@ -7,13 +7,16 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import env
 import train
-from model import load_model
+from data.spider.prepare import spider_sample
+from data.teacher import load_sft_data, tokenize_chat
+from model import latest_checkpoint, load_model, load_trainer_state, load_weights, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +46,12 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     trail = train.get_args(["--recipe", "trail", "--model", "tiny"])
     assert (trail.protocol, trail.reward, trail.group_size, trail.schema_lambda, trail.top_p) == \
         ("trail", "trail", 6, 0.0, 0.99)
-    assert train.get_args(["--recipe", "mtir"]).traj_filter
+    assert (trust.schema_mode, trust.rl_lr, trust.rl_batch_size, trust.filter_k, trust.stage) == \
+        ("none", 1e-6, 32, 8, "both")  # TRUST runs unknown-schema, Table 8 and App. A.3
+    assert (trail.schema_mode, trail.temperature, trail.filter_top_n, trail.force_final_answer) == ("prompt", 1.0, 700, 1)
+    mtir, skyrl = (train.get_args(["--recipe", r, "--model", "tiny"]) for r in ("mtir", "skyrl"))
+    assert mtir.traj_filter and (mtir.schema_mode, mtir.temperature, mtir.stage) == ("prompt", 0.6, "rl")
+    assert (skyrl.temperature, skyrl.top_p, skyrl.max_turns, skyrl.stage) == (0.6, 0.95, 5, "rl")
     assert train.get_args(["--recipe", "skyrl", "--group-size", "3"]).group_size == 3  # explicit beats recipe
     assert train.get_args(["--quick", "--sft-steps", "7"]).sft_steps == 7  # explicit beats --quick too
 
@@ -75,13 +83,13 @@ def test_torchrun_hands_every_flag_to_train_py():
         assert script_args == [flag, "x"], f"torchrun does not pass {flag} through to train.py"
 
 def test_spider_sample_is_fixed_and_skipped_without_the_folder(spider_dir, tmp_path):
-    sample = train.spider_sample(spider_dir, 5)
+    sample = spider_sample(spider_dir, 5)
     assert len(sample) == 5 and all(ex["source"] == "spider" and Path(ex["db_path"]).is_file() for ex in sample)
     state = random.getstate()
     random.seed(123)  # a run's seed must not change which questions are evaluated
-    assert [ex["id"] for ex in train.spider_sample(spider_dir, 5)] == [ex["id"] for ex in sample]
+    assert [ex["id"] for ex in spider_sample(spider_dir, 5)] == [ex["id"] for ex in sample]
     random.setstate(state)
-    assert train.spider_sample(tmp_path, 5) == []
+    assert spider_sample(tmp_path, 5) == []
 
 # -----------------------------------------------------------------------------
 # SFT masking
@@ -91,7 +99,7 @@ def test_sft_tokens_equal_the_template_and_mask_only_agent_tokens(tiny, teacher_
     _, tok = tiny
     rec, _ = teacher_record
     messages = rec["messages"]
-    ids, mask = train.tokenize_chat(messages, tok)
+    ids, mask = tokenize_chat(messages, tok)
     whole = tok.apply_chat_template(messages, tokenize=True, return_dict=True)  # SmolLM2's real template
     assert ids == list(whole["input_ids"])  # token-exact with rendering the whole conversation at once
     trained = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
@@ -108,7 +116,7 @@ def test_sft_sequence_is_what_rollout_feeds(tiny, teacher_record):
     from rollout import rollout
     model, tok = tiny
     rec, ex = teacher_record
-    ids, mask = train.tokenize_chat(rec["messages"], tok)
+    ids, mask = tokenize_chat(rec["messages"], tok)
     turns, prev = [], 0
     for i, m in enumerate(mask):  # each run of trained tokens is one assistant turn (content + eos)
         if m and not prev:
@@ -130,13 +138,13 @@ def test_tokenizer_without_chat_template_is_a_clear_error(tiny):
     bare = type(tok).from_pretrained(tok.name_or_path)
     bare.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
-        train.tokenize_chat([{"role": "user", "content": "hi"}], bare)
+        tokenize_chat([{"role": "user", "content": "hi"}], bare)
 
 
 def test_missing_sft_data_and_missing_database_are_clear_errors(tmp_path, tiny):
     _, tok = tiny
     with pytest.raises(FileNotFoundError, match="teacher.py"):
-        train.load_sft_data(tmp_path / "nope.jsonl", tok, 1024)
+        load_sft_data(tmp_path / "nope.jsonl", tok, 1024)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x", "db_id": "d", "db_path": "missing.sqlite", "question": "q", "evidence": "",
                                "gold_sql": "SELECT 1", "difficulty": "easy", "source": "gym"}) + "\n")
@@ -156,7 +164,7 @@ QUICK = ["--quick", "--model", "tiny", "--sft-steps", "2", "--rl-steps", "2", "-
 
 def final_weights(run_dir):
     from safetensors.torch import load_file
-    ckpt = train.latest_checkpoint(run_dir)
+    ckpt = latest_checkpoint(run_dir)
     return ckpt, load_file(next(ckpt.glob("*.safetensors")))
 
 
@@ -175,7 +183,7 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path, quick_run):
     rl = [r for r in rows if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     for key in ("reward_full", "reward_schema", "ex", "turns", "tool_calls", "sampled_tokens", "loss_full",
-                "loss_schema", "clip_frac_high", "time_rollout", "time_env", "time_update"):
+                "loss_schema", "clip_frac_high", "time_rollout", "time_update"):
         assert key in rl[0], key
     ckpt, _ = final_weights(run)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -212,7 +220,7 @@ def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, 
     train.main(["--stage", "rl", "--model", str(ckpt), "--rl-steps", "1", "--rl-batch-size", "1", "--group-size", "2",
                 "--filter-k", "0", "--eval-limit", "1", "--ckpt-every", "0", "--out-dir", str(tmp_path),
                 "--run-name", "rl"])
-    saved = json.loads((train.latest_checkpoint(tmp_path / "rl") / "state.json").read_text())["args"]
+    saved = json.loads((latest_checkpoint(tmp_path / "rl") / "state.json").read_text())["args"]
     assert saved["protocol"] == "trust-brief-rows3"
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "state.json").write_text('{"step": 3}')  # another tool's file of the same name
@@ -225,7 +233,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
     train.main(args + ["--out-dir", str(tmp_path / "a")])
     with pytest.raises(SystemExit):  # "killed" right after the checkpoint at global step 3 (RL step 1)
         train.main(args + ["--out-dir", str(tmp_path / "b"), "--stop-after", "3"])
-    assert train.latest_checkpoint(tmp_path / "b" / "quick").name == "ckpt-000003"
+    assert latest_checkpoint(tmp_path / "b" / "quick").name == "ckpt-000003"
     train.main(args + ["--out-dir", str(tmp_path / "b"), "--resume"])
     (ca, wa), (cb, wb) = final_weights(tmp_path / "a" / "quick"), final_weights(tmp_path / "b" / "quick")
     assert ca.name == cb.name == "ckpt-000004"
@@ -285,7 +293,7 @@ def test_a_kill_between_the_temp_write_and_the_rename_leaves_the_previous_checkp
     args = train.get_args(QUICK)
     opt, sched = train.make_optimizer(model, 1e-4, 10, args)
     state = {"stage": "sft", "step": 1, "gstep": 1, "evals": {}, "rl_pool": None}
-    first = train.save_checkpoint(tmp_path, 1, model, tok, opt, sched, state, args, 0, 1)
+    first = save_checkpoint(tmp_path, 1, model, tok, opt, sched, state, args, 0, 1)
     replace = os.replace
 
     def killed(src, dst, **kw):  # the process dies after writing .tmp-ckpt-000002, before renaming it
@@ -294,18 +302,18 @@ def test_a_kill_between_the_temp_write_and_the_rename_leaves_the_previous_checkp
         replace(src, dst, **kw)
     monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(Killed):
-        train.save_checkpoint(tmp_path, 2, model, tok, opt, sched, dict(state, step=2, gstep=2), args, 0, 1)
+        save_checkpoint(tmp_path, 2, model, tok, opt, sched, dict(state, step=2, gstep=2), args, 0, 1)
     monkeypatch.undo()
-    assert (tmp_path / ".tmp-ckpt-000002").is_dir() and train.latest_checkpoint(tmp_path) == first
+    assert (tmp_path / ".tmp-ckpt-000002").is_dir() and latest_checkpoint(tmp_path) == first
     fresh, _ = load_model("tiny", seed=1)  # other weights, so that loading visibly restores the saved ones
-    train.load_weights(fresh, first)
+    load_weights(fresh, first)
     opt2, sched2 = train.make_optimizer(fresh, 1e-4, 10, args)
-    train.load_trainer_state(first, fresh, opt2, sched2, args, 0)
+    load_trainer_state(first, fresh, opt2, sched2, args, 0)
     for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), k
     assert json.loads((first / "state.json").read_text())["global_step"] == 1  # --resume goes on from step 1...
-    again = train.save_checkpoint(tmp_path, 2, model, tok, opt, sched, dict(state, step=2, gstep=2), args, 0, 1)
-    assert train.latest_checkpoint(tmp_path) == again and not list(tmp_path.glob(".tmp-*"))  # ...past the debris
+    again = save_checkpoint(tmp_path, 2, model, tok, opt, sched, dict(state, step=2, gstep=2), args, 0, 1)
+    assert latest_checkpoint(tmp_path) == again and not list(tmp_path.glob(".tmp-*"))  # ...past the debris
 
 # -----------------------------------------------------------------------------
 # DDP: 2 gloo processes compute the same gradient as one process
@@ -327,7 +335,7 @@ DDP_SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import train
-from model import load_model
+from model import all_reduce_sum, load_model
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 model, tok = load_model("tiny", seed=0)
@@ -338,7 +346,7 @@ for n in (30, 50, 20, 40):  # 4 sequences of different lengths and agent-token c
     ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
     rows.append((ids, [int(i > n // 3) for i in range(n)]))
 mine = rows[rank::world]
-tokens = train.all_reduce_sum(torch.tensor(float(sum(sum(m[1:]) for _, m in mine)))).item()
+tokens = all_reduce_sum(torch.tensor(float(sum(sum(m[1:]) for _, m in mine)))).item()
 loss_fn = train.AgentTokenLoss(model)
 wrapped = torch.nn.parallel.DistributedDataParallel(loss_fn) if world > 1 else loss_fn
 ids, mask = train.pad_batch(mine, tok.pad_token_id, "cpu")
@@ -370,3 +378,55 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, quick_run):
     assert len(sft["two"]) == 2 and sft["two"] == pytest.approx(sft["one"], rel=1e-4)
     assert [r["step"] for r in rows["two"] if r["stage"] == "rl"] == [1, 2]
     assert set(json.loads((tmp_path / "two" / "results.json").read_text())) == {"sft", "rl", "seconds"}
+
+
+def test_sql_trail_difficulty_score_keeps_hard_but_solvable_then_unsolved():
+    examples = [{"id": c} for c in "abcdef"]
+    rates = {"a": 1.0, "b": 1 / 6, "c": 0.0, "d": 0.5, "e": 0.0, "f": 5 / 6}
+    args = SimpleNamespace(filter_top_n=2, filter_unsolved_n=1, filter_pass_rate=0.75)
+    # S(q) (eq. 13): a 1, b 1/6, c 1, d 1/2, e 1, f 5/6 -> the 2 lowest are b and d; exploration: the first unsolved
+    assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "c", "d"]
+    args.filter_top_n = 0  # TRUST App. A.3: pass rate < 6/8
+    assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "c", "d", "e"]
+
+
+def _fake_rollouts(monkeypatch, signal):
+    """rollout.rollout replaced: a group has reward variance iff its prompt id is in signal."""
+    import rollout
+    calls = []
+
+    def fake(policy, tokenizer, prompts, protocol, *, seed, group_size, **kw):
+        calls.append([p["id"] for p in prompts])
+        return [SimpleNamespace(example=p, k=k) for p in prompts for k in range(group_size)]
+    monkeypatch.setattr(rollout, "rollout", fake)
+    reward = lambda t, ex: {"full": float(ex["id"] in signal and t.k == 0)}  # noqa: E731
+    return calls, reward
+
+
+def test_dynamic_sampling_rolls_fresh_prompts_until_every_group_has_signal(monkeypatch):
+    from rollout import rollout_with_signal
+    pool = iter([{"id": i} for i in range(2, 20)])
+    refill = lambda n: [next(pool) for _ in range(n)]  # noqa: E731
+    calls, reward = _fake_rollouts(monkeypatch, signal={3, 5, 6})  # the first batch, prompts 0 and 1, is flat
+    trajs, rewards, ds = rollout_with_signal(None, None, [{"id": 0}, {"id": 1}], "trust", reward, refill=refill,
+                                             rounds=3, seed=0, group_size=2)
+    assert calls == [[0, 1], [2, 3], [4, 5]] and ds == {"ds_rounds": 3, "ds_signal_groups": 2, "ds_cap_hit": False}
+    assert [t.example["id"] for t in trajs] == [3, 3, 5, 5] and [r["full"] for r in rewards] == [1, 0, 1, 0]
+    # no prompt with signal: the cap ends the search, is logged, and the batch keeps its size with the first prompts
+    calls, reward = _fake_rollouts(monkeypatch, signal=set())
+    trajs, _, ds = rollout_with_signal(None, None, [{"id": 0}, {"id": 1}], "trust", reward, refill=refill, rounds=2,
+                                       seed=0, group_size=2)
+    assert ds["ds_cap_hit"] and ds["ds_rounds"] == 3 == len(calls) and [t.example["id"] for t in trajs] == [0, 0, 1, 1]
+    # without refill (--dynamic-sampling 0) one rollout, flat groups and all
+    calls, reward = _fake_rollouts(monkeypatch, signal=set())
+    trajs, _, ds = rollout_with_signal(None, None, [{"id": 0}, {"id": 1}], "trust", reward, seed=0, group_size=2)
+    assert len(calls) == 1 and ds == {} and len(trajs) == 4
+
+
+def test_grpo_flags_reach_the_update():
+    args = train.get_args(["--model", "tiny", "--rl-batch-size", "4", "--ppo-mini-batch-size", "2", "--kl-beta",
+                           "0.01", "--agg", "dr_grpo", "--scale-std", "0", "--mask-truncated", "1",
+                           "--naive-schema-weight", "0.25"])
+    cfg = train.grpo_config(args, pad_id=2)
+    assert (cfg.mini_batches, cfg.kl_beta, cfg.agg, cfg.scale_std, cfg.mask_truncated, cfg.naive_schema_weight,
+            cfg.dr_grpo_len) == (2, 0.01, "dr_grpo", False, True, 0.25, args.max_total_tokens)

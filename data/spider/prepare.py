@@ -9,6 +9,7 @@ loaders share (JSON streaming, read-only SQLite, gold checks, the gold file both
     python data/spider/prepare.py --spider-dir DIR --split train_spider.json --out /tmp/spider
 """
 import json
+import random
 import re
 import sys
 from collections import Counter
@@ -288,6 +289,15 @@ def load_spider(spider_dir, split_file="dev.json", db_dir=None):
         records.append(make_record(f"spider-{Path(split_file).stem}-{i:05d}", ex["db_id"], path, question, sql,
                                    level, "spider"))
     return records, skipped
+
+
+def spider_sample(spider_dir, n):
+    """A fixed sample of n Spider dev questions (the same for every run, so seeds compare on the same questions);
+    [] when the folder has no dev.json."""
+    if not (Path(spider_dir) / "dev.json").is_file():
+        return []
+    records, _ = load_spider(Path(spider_dir))
+    return [{**r, "db_path": str(r["db_path"])} for r in random.Random(0).sample(records, min(n, len(records)))]
 
 
 if __name__ == "__main__":
