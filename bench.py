@@ -292,7 +292,7 @@ if __name__ == "__main__":
     from env import ArgumentParser  # a bad flag is one `error:` line
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark to run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0, help="random init and data")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     BENCHES[args.name](args)

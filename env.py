@@ -592,9 +592,10 @@ def step(episode, turn_text, result: SQLResult | None = None):
 if __name__ == "__main__":
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("examples", type=existing_file, help="example JSONL file (see the README for the format)")
-    parser.add_argument("--protocol", default="trail", choices=sorted(PROTOCOLS))
-    parser.add_argument("--schema-mode", default="prompt", choices=SCHEMA_MODES)
-    parser.add_argument("--max-turns", type=positive_int, default=5)
+    parser.add_argument("--protocol", default="trail", choices=sorted(PROTOCOLS), help="agent turn format")
+    parser.add_argument("--schema-mode", default="prompt", choices=SCHEMA_MODES, help="none: unknown schema; prompt: "
+                        "schema in the prompt; explore_turn: a prefilled exploring turn")
+    parser.add_argument("--max-turns", type=positive_int, default=5, help="assistant turns per episode")
     parser.add_argument("--index", type=nonneg_int, default=0, help="which example to show")
     args = parser.parse_args()
     try:

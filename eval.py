@@ -462,12 +462,15 @@ if __name__ == "__main__":
     parser.add_argument("--data", type=existing_file, default=None,
                         help="examples JSONL (default: the gym dev split, built if missing)")
     # these five default to what a train.py checkpoint was trained with, else to ROLLOUT_FLAGS
-    parser.add_argument("--protocol", default=None, choices=["trust", "trail", "mtir", "skyrl"])
-    parser.add_argument("--schema-mode", default=None, choices=["none", "prompt", "explore_turn"])
-    parser.add_argument("--max-turns", type=positive_int, default=None)
+    parser.add_argument("--protocol", default=None, choices=["trust", "trail", "mtir", "skyrl"],
+                        help="agent turn format (default: a checkpoint's own, else trust)")
+    parser.add_argument("--schema-mode", default=None, choices=["none", "prompt", "explore_turn"],
+                        help="(default: a checkpoint's own, else none)")
+    parser.add_argument("--max-turns", type=positive_int, default=None,
+                        help="assistant turns per episode (default: a checkpoint's own, else 15)")
     parser.add_argument("--samples", type=positive_int, default=8, help="K for maj@K and pass@k; 1 = greedy only")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (greedy uses 0)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the --samples runs")
     parser.add_argument("--scoring", default=None, choices=SCORINGS,
                         help="bird: set equality (+ VES); spider: the official test-suite verdicts; spider-strict: "
                              "DISTINCT kept, order only for an outermost ORDER BY (default: spider for Spider data)")
@@ -482,13 +485,13 @@ if __name__ == "__main__":
     parser.add_argument("--limit", type=positive_int, default=None, help="evaluate only the first N questions")
     parser.add_argument("--exec-timeout", type=float, default=30.0, help="seconds per scoring query")
     parser.add_argument("--name", default=None, help="output folder name under --out-dir")
-    parser.add_argument("--out-dir", default="out/eval")
+    parser.add_argument("--out-dir", default="out/eval", help="outputs go to <out-dir>/<name>/")
     parser.add_argument("--bird-predictions", default=None, help="also write BIRD's prediction JSON here (keyed by "
                         "question_id), and beside it the gold file of the same questions (predict_dev -> dev_gold.sql)")
     parser.add_argument("--gold-as-prediction", action="store_true",
                         help="no model: score the gold SQL as the prediction (a scorer self-check, expect 100%%)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = parser.parse_args()
     if not args.gold_as_prediction:
         from model import load_model, resolve

@@ -13,7 +13,6 @@ GLOBAL count of those tokens (all ranks, all micro-batches), so the update does 
 Under torch.distributed pass the bare model (no DDP wrapper; it would average what must be summed) or an FSDP2
 fully_shard'ed one: grpo_step makes each rank's gradient the global one itself.
 """
-import argparse
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -348,11 +347,12 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
+    from env import ArgumentParser
     from model import load_model
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--group-size", type=int, default=4, help="rows per group (default 4)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per synthetic trajectory (default 256)")
-    parser.add_argument("--seed", type=int, default=0, help="(default 0)")
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("--group-size", type=int, default=4, help="rows per group")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per synthetic trajectory")
+    parser.add_argument("--seed", type=int, default=0, help="model init and token ids")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     model, tok = load_model("tiny", seed=args.seed)

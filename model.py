@@ -13,7 +13,6 @@ folder under $SQLRL_CACHE (default ~/.cache/sqlrl) that any from_pretrained call
 Also what train.py needs around a model: ranks (distribute, all_reduce_sum), checkpoints that a resume continues
 exactly (with the data order it replays), the optimizer, and the frozen reference model of the KL term.
 """
-import argparse
 import copy
 import functools
 import importlib.util
@@ -216,19 +215,28 @@ def setup_distributed(args):
     return rank, world, device
 
 
-def distribute(model, fsdp, world, device):
-    """Place the model for training on `world` ranks: FSDP2 fully_shard per decoder layer, or the same starting
-    weights on every rank (DDP would broadcast them too, but RL uses the bare model). Gradient checkpointing on GPU.
+def shard(model, bf16_on_gpu=False):
+    """FSDP2: fully_shard each decoder layer, then the root. On GPU with bf16, layers compute in bf16 and reduce
+    gradients in fp32 over fp32 sharded master weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_on_gpu else \
+        MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def distribute(model, fsdp, world, device, bf16=False):
+    """Place the model for training on `world` ranks: FSDP2 (shard), or the same starting weights on every rank
+    (DDP would broadcast them too, but RL uses the bare model). Gradient checkpointing on GPU.
     Returns wrap(module): DDP around a module under plain data parallelism, else the module itself."""
     cuda = str(device).startswith("cuda")
     if cuda:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if fsdp and world > 1:
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        shard(model, bf16_on_gpu=cuda and bf16)
     elif world > 1:
         for p in model.state_dict().values():
             dist.broadcast(p, 0)
@@ -318,8 +326,8 @@ def replaceable_checkpoints(run_dir, model, resume, overwrite):
     deletes what it did not write unless --overwrite says so, and never the checkpoint it loads."""
     old = [] if resume else sorted(Path(run_dir).glob("ckpt-*"))
     if old and Path(model).resolve().is_relative_to(Path(run_dir).resolve()):
-        raise ValueError(f"--model {model} is inside {run_dir}, whose checkpoints a new run would replace: pass another "
-                         "--run-name (or --resume to continue that run)")
+        raise ValueError(f"--model {model} is inside {run_dir}, whose checkpoints a new run would replace: pass "
+                         "another --run-name (or --resume to continue that run)")
     if old and not overwrite:
         raise ValueError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it, another "
                          "--run-name, or --overwrite to replace them")
@@ -384,9 +392,9 @@ def make_optimizer(model, lr, steps, args):
     cosine = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
 
-def reference_model(policy, run_dir, rank):
-    """KL's frozen reference: the policy RL starts from, in the compute dtype, saved once to <run>/ref so a resumed
-    run compares against the same weights."""
+def reference_model(policy, run_dir, rank, fsdp=False):
+    """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved once to
+    <run>/ref so a resumed run compares against the same weights; sharded like the policy under FSDP."""
     path = run_dir / "ref"
     if (path / "config.json").exists():
         ref = type(policy).from_pretrained(path, dtype=next(policy.parameters()).dtype)
@@ -395,14 +403,16 @@ def reference_model(policy, run_dir, rank):
         if rank == 0:
             ref.save_pretrained(path)
         barrier()
-    return ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
+    ref = ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
+    return shard(ref) if fsdp else ref
 
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from env import ArgumentParser
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help='"smollm2", "tiny" or a Hugging Face id / local folder')
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the tiny model's init")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, seed=args.seed)
     print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab {len(tokenizer)}, "

@@ -11,9 +11,9 @@ A trajectory is anything with `.episode` (env.Episode) and `.num_turns`.
 
 Adding a reward shape = one function `def my_reward(traj, example) -> dict` + one entry in REWARDS.
 """
-import argparse
 import functools
 import json
+import math
 import sqlite3
 from pathlib import Path
 
@@ -306,6 +306,15 @@ LEVELS = {"easy": "simple", "simple": "simple", "medium": "medium", "moderate": 
           "challenging": "hard", "extra": "hard", "complex": "hard", "highly complex": "hard", "unknown": "hard"}
 
 
+def turn_budget(difficulty: str, max_turns: int) -> int:
+    """Per-question turns for --adaptive-turns: our reading of SQL-Trail's difficulty-aware budget (eq. 7 pays simple
+    questions for <= 2 turns, medium for <= 3, hard ones for < T): simple a third of T (at least 3), medium half (at
+    least 4), hard and unlabelled all of T; never more than T."""
+    floor, share = {"simple": (3, 1 / 3), "medium": (4, 1 / 2)}.get(LEVELS.get(str(difficulty).strip().lower()),
+                                                                   (max_turns, 1.0))
+    return min(max_turns, max(floor, math.ceil(max_turns * share)))
+
+
 def turn_reward(difficulty: str, turns: int, exec_ok: bool, budget: int) -> float:
     """SQL-Trail eq. 7: 1 if simple and t<=2, medium and t<=3, or hard/extra and correct and t<T; else 0.
     Labels of every dataset we load are accepted, in any case (LEVELS)."""
@@ -508,7 +517,8 @@ def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from env import ArgumentParser
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--db", required=True, help="SQLite file the query runs against")
     parser.add_argument("--sql", required=True, help="query whose minimal schema K* to print")
     parser.add_argument("--gold-sql", default=None, help="also print bigram and schema Jaccard against this query")

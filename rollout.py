@@ -304,9 +304,10 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     # --- one row per (example, sample); prompts too long for the context end at once, never cut from the left
     rows, t0 = [], time.perf_counter()
     for group, example in enumerate(examples):
-        prompt = render_ids(tokenizer, proto.build_messages(example, schema_mode, max_turns), True)
+        turns = example.get("max_turns", max_turns)  # a per-question budget (train.py --adaptive-turns) wins
+        prompt = render_ids(tokenizer, proto.build_messages(example, schema_mode, turns), True)
         for _ in range(group_size):
-            episode = env.new_episode(example, proto.name, max_turns, schema_mode)
+            episode = env.new_episode(example, proto.name, turns, schema_mode)
             traj = Trajectory(list(prompt), len(prompt), [0] * len(prompt), [0.0] * len(prompt),
                               [-1] * len(prompt), episode, example, group, 0, 0, "")
             rows.append(_Row(traj, list(prompt), len(prompt), t0))
@@ -434,6 +435,22 @@ def rollout_with_signal(model, tokenizer, prompts, protocol, reward_fn, *, refil
              "ds_cap_hit": len(kept) < len(prompts)} if refill is not None else {}
     return [t for g in groups for t in g[0]], [r for g in groups for r in g[1]], stats
 
+def rollout_metrics(trajs, rewards):
+    """Means over a step's trajectories on all ranks: every numeric reward term, EX, turns, tool calls, tokens."""
+    keys = sorted({k for r in rewards for k, v in r.items() if isinstance(v, (int, float))})
+    local = {f"reward_{k}": sum(float(r.get(k) or 0.0) for r in rewards) for k in keys}
+    local |= {"ex": sum(r["correct"] for r in rewards), "turns": sum(t.num_turns for t in trajs),
+              "tool_calls": sum(t.num_tool_calls for t in trajs),
+              "sampled_tokens": sum(sum(t.loss_mask) for t in trajs),
+              "seq_tokens": sum(len(t.token_ids) for t in trajs),
+              "answered": sum(t.episode.final_sql is not None for t in trajs), "n": len(trajs)}
+    total = torch.tensor(list(local.values()), dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    total = dict(zip(local, total.tolist()))
+    n = max(total.pop("n"), 1)
+    return {k: v / n for k, v in total.items()}
+
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
@@ -443,17 +460,18 @@ if __name__ == "__main__":
                         'Hugging Face id or a local folder')
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights while rolling out")
     parser.add_argument("--data", type=env.existing_file, default=None, help="examples JSONL (default: gym dev)")
-    parser.add_argument("--protocol", default="trust", choices=sorted(env.PROTOCOLS))
-    parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES)
-    parser.add_argument("--num-examples", type=pos, default=4)
-    parser.add_argument("--group-size", type=pos, default=2)
-    parser.add_argument("--max-turns", type=pos, default=5)
-    parser.add_argument("--max-new-tokens", type=pos, default=256)
-    parser.add_argument("--max-total-tokens", type=pos, default=4096)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--protocol", default="trust", choices=sorted(env.PROTOCOLS), help="agent turn format")
+    parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
+                        help="none: unknown schema; prompt: schema in the prompt")
+    parser.add_argument("--num-examples", type=pos, default=4, help="questions rolled out (the first N of --data)")
+    parser.add_argument("--group-size", type=pos, default=2, help="rollouts per question")
+    parser.add_argument("--max-turns", type=pos, default=5, help="assistant turns per episode")
+    parser.add_argument("--max-new-tokens", type=pos, default=256, help="per assistant turn")
+    parser.add_argument("--max-total-tokens", type=pos, default=4096, help="whole trajectory")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     from model import load_model
     if args.data is None:

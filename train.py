@@ -38,7 +38,7 @@ from eval import Logger, evaluate_ex, pass_rates, report, trained_settings  # no
 from model import (all_reduce_sum, barrier, distribute, latest_checkpoint, load_model,  # noqa: E402
                    load_trainer_state, load_weights, make_optimizer, reference_model, replaceable_checkpoints, resolve,
                    save_checkpoint, setup_distributed, take)
-from rewards import REWARDS  # noqa: E402
+from rewards import REWARDS, turn_budget  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
@@ -109,6 +109,8 @@ def get_parser(add_help=True):
     a("--schema-mode", default="none", choices=env.SCHEMA_MODES, help="none: unknown schema (the papers)")
     a("--brief-prompt", type=int, default=0, help="1 = a short system prompt instead of the paper's (CPU demo)")
     a("--obs-rows", type=nonneg, default=0, help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
+    a("--adaptive-turns", type=int, default=0, help="1: each RL question's turn budget from its difficulty label "
+      "(rewards.turn_budget; the turns reward uses the same budget)")
     a("--force-final-answer", type=int, default=0, help="1: out of turns without an answer, one more turn that must "
       "answer and is scored (SQL-Trail Alg. 1 line 31)")
     a("--teacher-probes", type=nonneg, default=2, help="filtered columns whose values the teacher probes")
@@ -139,7 +141,7 @@ def get_parser(add_help=True):
     a("--dynamic-sampling-rounds", type=nonneg, default=3, help="extra rollout rounds per step at most (the cap)")
     a("--ppo-epochs", type=pos, default=1, help="passes over each batch of rollouts")
     a("--ppo-mini-batch-size", type=nonneg, default=0, help="prompts per optimizer step (verl's ppo_mini_batch_size): "
-      "the batch's groups split into rl-batch-size / this steps, old log-probs taken before the first (0 = whole batch)")
+      "rl-batch-size / this steps per batch, all against the log-probs before the first (0 = whole batch)")
     a("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen copy of the starting policy (0 = off, as "
       "SQL-Trail and MTIR)")
     a("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"], help="token losses -> one number: "
@@ -163,7 +165,8 @@ def get_parser(add_help=True):
     # eval, checkpoints, logging
     a("--eval-every", type=nonneg, default=0, help="RL steps between dev evals (0 = only after each stage)")
     a("--eval-limit", type=nonneg, default=0, help="dev/test examples per eval (0 = all)")
-    a("--eval-batch-size", type=pos, default=64, help="trajectories decoded together in eval")
+    a("--eval-batch-size", type=pos, default=64, help="rows a rank decodes at once: eval, the difficulty filter and "
+      "RL rollouts (their KV cache: rows x longest row x KV bytes per token)")
     a("--ckpt-every", type=nonneg, default=50, help="0 = only at the end of each stage")
     a("--keep-ckpts", type=nonneg, default=2, help="0 = all")
     a("--resume", action="store_true", help="continue the latest checkpoint in --out-dir/--run-name")
@@ -233,23 +236,6 @@ def select_rl_pool(examples, rates, args):
     return [ex for ex in examples if ex["id"] in keep]
 
 
-def rl_step_metrics(trajs, rewards, times, grpo_metrics, world):
-    """Means over this step's trajectories on all ranks, plus grpo's (already global) metrics."""
-    keys = sorted({k for r in rewards for k, v in r.items() if isinstance(v, (int, float))})
-    local = {f"reward_{k}": sum(float(r.get(k) or 0.0) for r in rewards) for k in keys}
-    local |= {"ex": sum(r["correct"] for r in rewards), "turns": sum(t.num_turns for t in trajs),
-              "tool_calls": sum(t.num_tool_calls for t in trajs),
-              "sampled_tokens": sum(sum(t.loss_mask) for t in trajs),
-              "seq_tokens": sum(len(t.token_ids) for t in trajs),
-              "answered": sum(t.episode.final_sql is not None for t in trajs), "n": len(trajs)}
-    tot = all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()
-    tot = dict(zip(local, tot))
-    n = max(tot.pop("n"), 1)
-    out = {k: v / n for k, v in tot.items()}
-    out |= {f"time_{k}": v for k, v in times.items()}
-    out |= {k: v for k, v in grpo_metrics.items() if isinstance(v, (int, float, bool))}
-    return out
-
 # -----------------------------------------------------------------------------
 # the two stages
 
@@ -295,17 +281,13 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
 def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
     """Multi-turn GRPO: each rank rolls out its share of prompts (whole groups), rewards, one grpo_step."""
     from grpo import grpo_step
-    from rollout import rollout_with_signal
+    from rollout import rollout_metrics, rollout_with_signal
     rank, world, log = ctx["rank"], ctx["world"], ctx["log"]
-    if args.fsdp and world > 1:
-        raise NotImplementedError("--fsdp covers SFT only: rollout.py and grpo.grpo_step read the LM head directly and "
-                                  "all-reduce full gradients, which assumes replicated (DDP-style) parameters. Run RL "
-                                  "without --fsdp from the SFT checkpoint (--stage rl --model out/<run-name>/ckpt-...)")
     opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
     if ckpt is not None:
         load_trainer_state(ckpt, model, opt, sched, args, rank)
     cfg = grpo_config(args, tokenizer.pad_token_id)
-    ref = reference_model(ctx["policy"](), ctx["run_dir"], rank) if args.kl_beta > 0 else None
+    ref = reference_model(ctx["policy"](), ctx["run_dir"], rank, args.fsdp and world > 1) if args.kl_beta else None
 
     def refill(n):  # DAPO's fresh prompts: their own stream, its position checkpointed, so a resume draws the same
         idx = take(len(pool), n, args.seed + 2 + 1000 * rank, state["refill"])
@@ -320,7 +302,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
         trajs, rewards, ds = rollout_with_signal(
             ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], refill=refill if
             args.dynamic_sampling else None, rounds=args.dynamic_sampling_rounds,
-            seed=(args.seed * 100_003 + step) * 1009 + rank, **rollout_kwargs(args))
+            seed=(args.seed * 100_003 + step) * 1009 + rank, max_rows=args.eval_batch_size, **rollout_kwargs(args))
         t1 = time.perf_counter()
         model.train()
         with ctx["autocast"]():
@@ -330,7 +312,8 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
         times = {"rollout": t1 - t0, "update": time.perf_counter() - t1}
         state["step"], state["gstep"] = step + 1, state["gstep"] + 1
         row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": sched.get_last_lr()[0],
-               **rl_step_metrics(trajs, rewards, times, gm, world), **ds}
+               **rollout_metrics(trajs, rewards), **{f"time_{k}": v for k, v in times.items()}, **ds,
+               **{k: v for k, v in gm.items() if isinstance(v, (int, float, bool))}}  # grpo's: already global
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.rl_steps:
             row["dev_ex"] = evaluate_ex(ctx["policy"](), tokenizer, {"dev": ctx["dev"]}, args, rank, world)["dev"]["ex"]
         log.log(row)
@@ -450,10 +433,11 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     master = rank == 0
     if ckpt is not None:  # weights first; optimizer state is loaded by the stage that owns it
         model = load_weights(model, ckpt)
-    bf16 = args.dtype == "bf16"
-    sampler = copy.deepcopy(model).to(torch.bfloat16) if bf16 and not args.fsdp else model
+    bf16, fsdp = args.dtype == "bf16", args.fsdp and world > 1
+    # rollouts decode a full copy (bf16 under --dtype bf16): under FSDP no rank waits on another's decode steps
+    sampler = copy.deepcopy(model).to(torch.bfloat16 if bf16 else model.dtype) if bf16 or fsdp else model
     autocast = (lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16)) if bf16 else nullcontext
-    wrap = distribute(model, args.fsdp, world, device)  # SFT's loss module goes through wrap (DDP); RL uses the model
+    wrap = distribute(model, args.fsdp, world, device, bf16)  # SFT's loss goes through wrap (DDP); RL uses the model
 
     log = Logger(run_dir, args, rank, state["gstep"])
 
@@ -467,12 +451,12 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
             sys.exit(0)
 
     def policy():
-        """The weights to decode with: under bf16 a bf16 copy, refreshed here. Decoding under autocast would cast
-        every fp32 weight again at each step (1.8x slower per decode step on this CPU)."""
+        """The weights to decode with: a full copy (bf16 under --dtype bf16) refreshed here, or the model itself.
+        Decoding under autocast would cast every fp32 weight again at each step (1.8x slower on this CPU)."""
         if sampler is not model:
             with torch.no_grad():
-                for s, p in zip(sampler.parameters(), model.parameters()):
-                    s.copy_(p)
+                for s, p in zip(sampler.parameters(), model.parameters()):  # FSDP: all-gathers, every rank
+                    s.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
         return sampler.eval()
 
     times = {}
@@ -526,7 +510,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
                 log.log({"stage": "filter", "step": 0, "gstep": state["gstep"], "filter_candidates": len(cands),
                          "filter_kept": len(pool)})
             state["rl_pool"] = [ex["id"] for ex in pool]
-        by_id = {ex["id"]: ex for ex in train}
+        by_id = {ex["id"]: ex | ({"max_turns": turn_budget(ex["difficulty"], args.max_turns)} if args.adaptive_turns
+                                 else {}) for ex in train}
         pool = [by_id[i] for i in state["rl_pool"]]
         timed("rl", train_rl, model, tokenizer, pool, args, ctx, state,
               ckpt if ckpt is not None and state["step"] else None)

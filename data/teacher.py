@@ -293,7 +293,8 @@ def check_trajectory(record, example):
     if pred.error or gold.error:
         return False, f"execution error: {pred.error or gold.error}"
     mode = "spider" if example.get("source") == "spider" else "bird"
-    if not env.results_match(pred.rows, gold.rows, mode=mode, order_matters=bool(re.search(r"order\s+by", example["gold_sql"], re.I))):
+    order_matters = bool(re.search(r"order\s+by", example["gold_sql"], re.I))
+    if not env.results_match(pred.rows, gold.rows, mode=mode, order_matters=order_matters):
         return False, "final SQL does not match gold"
     return True, None
 
@@ -426,16 +427,18 @@ if __name__ == "__main__":
     parser = env.ArgumentParser(description=__doc__)
     nonneg = env.nonneg_int
     parser.add_argument("--data", type=env.existing_file, required=True, help="examples JSONL (a prepare.py output)")
-    parser.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"])
+    parser.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"],
+                        help="agent turn format (the recipe's)")
     parser.add_argument("--out", required=True, help="output JSONL of chat-message trajectories")
-    parser.add_argument("--max-turns", type=env.positive_int, default=10)
-    parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES)
+    parser.add_argument("--max-turns", type=env.positive_int, default=10, help="turn budget the prompt states")
+    parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
+                        help="none: unknown schema; prompt: schema in the prompt")
     parser.add_argument("--distractors", type=nonneg, default=1, help="extra tables whose schema the teacher reads")
     parser.add_argument("--max-probes", type=nonneg, default=2, help="filtered columns whose values it probes")
     parser.add_argument("--repair-rate", type=float, default=0.2, help="share with a failing first attempt")
     parser.add_argument("--list-tables", type=int, default=1, help="0: skip the list-tables turn (shorter)")
     parser.add_argument("--limit", type=nonneg, default=0, help="only the first N examples (0 = all)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="which plans, repairs and distractors")
     args = parser.parse_args()
     try:
         examples = env.load_examples(args.data)[: args.limit or None]

@@ -11,7 +11,7 @@ import pytest
 import rewards
 from rewards import (REWARDS, bigram_jaccard, exec_arctic, exec_binary, exec_trust, extract_schema, format_mtir,
                      format_trust, mtir_exec_result, proposed_schema_items, schema_jaccard, schema_match,
-                     skyrl_reward, trust_schema_reward, turn_reward)
+                     skyrl_reward, trust_schema_reward, turn_budget, turn_reward)
 
 # -----------------------------------------------------------------------------
 # SQL-Trail A.4 worked examples
@@ -357,3 +357,10 @@ def test_recipes_on_real_env_episodes(singer_example):
     env.step(ep, "<reasoning>look</reasoning><sql>SELECT * FROM singer LIMIT 3</sql>")
     env.step(ep, f"<reasoning>answer</reasoning><solution>{RIGHT}</solution>")
     assert REWARDS["trail"](_traj(ep), singer_example)["full"] == pytest.approx(11.0)
+
+
+def test_adaptive_turn_budget_follows_the_difficulty_label():
+    # T = 10: a simple question gets a third (4), medium half (5), hard and unlabelled all 10; never more than T
+    assert [turn_budget(d, 10) for d in ("easy", "Moderate", "Highly Complex", "unknown")] == [4, 5, 10, 10]
+    assert [turn_budget(d, 6) for d in ("simple", "medium", "hard")] == [3, 4, 6]  # eq. 7's 2 and 3 turns still fit
+    assert turn_budget("easy", 2) == 2

@@ -230,6 +230,17 @@ def test_turn_budget_ends_with_max_turns_and_last_turn_hint(tiny, examples):
     assert "This is your last turn" in tokenizer.decode(segments(traj)[0][2])
 
 
+def test_a_question_with_its_own_turn_budget_gets_it_in_prompt_and_episode(tiny, examples):
+    # train.py --adaptive-turns puts rewards.turn_budget(difficulty, T) on each question as "max_turns"
+    _, tokenizer = tiny
+    call = trust_call("SELECT name FROM sqlite_master")
+    short = dict(examples[0], max_turns=2)
+    trajs = run(tiny, [short, examples[1]], {0: [call, call, call], 1: [call, call, call]}, max_turns=3)
+    assert [t.episode.max_turns for t in trajs] == [2, 3] and [t.num_turns for t in trajs] == [2, 3]
+    prompts = [tokenizer.decode(t.token_ids[:t.prompt_len]) for t in trajs]
+    assert "You have 2 turns" in prompts[0] and "You have 3 turns" in prompts[1]
+
+
 def test_max_new_tokens_ends_with_max_tokens(tiny, examples):
     _, tokenizer = tiny
     x = tokenizer.encode("x", add_special_tokens=False)[0]
