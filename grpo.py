@@ -243,7 +243,7 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     # --- mini-batches of whole groups (one optimizer step each), each split into micro-batches of similar length
     per_mini = (N // G) // cfg.mini_batches
     parts = [[i for i in idx if i // G // per_mini == b] for b in range(cfg.mini_batches)]
-    minis = [_mini_batch(model, trajs, rows, adv_full, adv_schema, truncated, dual, cfg, device) for rows in parts]
+    minis = [_mini_batch(model, trajs, part, adv_full, adv_schema, truncated, dual, cfg, device) for part in parts]
     tokens = sum(mb["tokens"] for mb in minis)
     metrics["schema_tokens"] = int(sum(mb["schema_tokens"] for mb in minis))
     if cfg.kl_beta > 0 and ref_model is None:

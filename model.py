@@ -392,11 +392,11 @@ def make_optimizer(model, lr, steps, args):
     cosine = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
 
-def reference_model(policy, run_dir, rank, fsdp=False):
-    """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved once to
-    <run>/ref so a resumed run compares against the same weights; sharded like the policy under FSDP."""
-    path = run_dir / "ref"
-    if (path / "config.json").exists():
+def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
+    """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved to <run>/ref
+    when RL starts so that a resumed run loads the same weights back; sharded like the policy under FSDP."""
+    path = Path(run_dir) / "ref"
+    if resumed and (path / "config.json").exists():  # only a resume reads it: no rank reads what rank 0 writes
         ref = type(policy).from_pretrained(path, dtype=next(policy.parameters()).dtype)
     else:
         ref = copy.deepcopy(policy)

@@ -287,7 +287,8 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
     if ckpt is not None:
         load_trainer_state(ckpt, model, opt, sched, args, rank)
     cfg = grpo_config(args, tokenizer.pad_token_id)
-    ref = reference_model(ctx["policy"](), ctx["run_dir"], rank, args.fsdp and world > 1) if args.kl_beta else None
+    ref = reference_model(ctx["policy"](), ctx["run_dir"], rank, args.fsdp and world > 1,
+                          resumed=ckpt is not None) if args.kl_beta else None
 
     def refill(n):  # DAPO's fresh prompts: their own stream, its position checkpointed, so a resume draws the same
         idx = take(len(pool), n, args.seed + 2 + 1000 * rank, state["refill"])
