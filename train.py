@@ -161,7 +161,8 @@ def get_parser(add_help=True):
     a("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
     a("--grad-clip", type=float, default=1.0, help="max gradient norm")
-    a("--micro-batch-size", type=nonneg, default=0, help="sequences per forward (0 = whole local batch)")
+    a("--micro-batch-size", type=nonneg, default=4, help="sequences per forward + backward, SFT and GRPO (0 = the whole "
+      "local batch: the recipes' SFT batches of 128-256 would not fit)")
     # eval, checkpoints, logging
     a("--eval-every", type=nonneg, default=0, help="RL steps between dev evals (0 = only after each stage)")
     a("--eval-limit", type=nonneg, default=0, help="dev/test examples per eval (0 = all)")
