@@ -244,7 +244,7 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     per_mini = (N // G) // cfg.mini_batches
     parts = [[i for i in idx if i // G // per_mini == b] for b in range(cfg.mini_batches)]
     minis = [_mini_batch(model, trajs, part, adv_full, adv_schema, truncated, dual, cfg, device) for part in parts]
-    tokens = sum(mb["tokens"] for mb in minis)
+    tokens, forwarded = sum(mb["tokens"] for mb in minis), sum(mb["forwarded"] for mb in minis)
     metrics["schema_tokens"] = int(sum(mb["schema_tokens"] for mb in minis))
     if cfg.kl_beta > 0 and ref_model is None:
         raise ValueError("kl_beta > 0 needs ref_model (a frozen copy of the initial policy)")
@@ -265,7 +265,7 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     grad_norm, steps = 0.0, 0
     for epoch in range(cfg.ppo_epochs):
         for mb in minis:
-            if mb["tokens"] == 0:  # on no rank: an empty step would still move the weights (AdamW momentum, decay)
+            if mb["forwarded"] == 0:  # on no rank: an empty step would still move the weights (momentum, decay)
                 continue
             optimizer.zero_grad(set_to_none=True)
             for j, m in enumerate(mb["micro"]):
@@ -301,13 +301,14 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     model.train(was_training)
 
     total = dict(zip(sums, _all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()))
-    passes, per_step = max(tokens * cfg.ppo_epochs, 1), max(steps, 1)
+    passes, per_step = max(forwarded * cfg.ppo_epochs, 1), max(steps, 1)  # stats are over forwarded tokens
     metrics |= {
         "loss_full": total["loss_full"] / per_step, "loss_schema": total["loss_schema"] / per_step,
         "kl_ref": total["kl_ref"] / per_step, "grad_norm": grad_norm / per_step, "optimizer_steps": steps,
         "clip_frac_high": total["clip_high"] / passes, "clip_frac_low": total["clip_low"] / passes,
-        "approx_kl": total["approx_kl"] / passes, "entropy": total["entropy"] / max(tokens, 1),
-        "sampler_kl": total["sampler_kl"] / max(tokens, 1), "tokens": int(tokens), "skipped": False,
+        "approx_kl": total["approx_kl"] / passes, "entropy": total["entropy"] / max(forwarded, 1),
+        "sampler_kl": total["sampler_kl"] / max(forwarded, 1), "tokens": int(tokens), "skipped": False,
+        "forwarded_tokens": int(forwarded),
     }
     metrics["loss"] = metrics["loss_full"] + cfg.schema_lambda * metrics["loss_schema"]
     return metrics
@@ -325,12 +326,6 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
         torch.zeros_like(mb["loss_mask"])
     mb["adv_full"] = adv_full[idx or [0]].to(device).unsqueeze(1) * mb["loss_mask"]  # (B, T) per-row
     mb["adv_schema"] = adv_schema[idx or [0]].to(device).unsqueeze(1) * mb["schema_mask"]
-    lengths = [len(trajs[i].token_ids) for i in idx]
-    micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
-             for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
-    if _is_fsdp(model):  # FSDP runs collectives in every forward: all ranks need the same number of micro-batches
-        n_micro = int(_all_sum(torch.tensor(max(len(micro), 1), device=device), dist.ReduceOp.MAX).item())
-        micro += [(slice(0, 1), slice(None))] * (n_micro - len(micro))  # extra passes over row 0 (zero mask if no rows)
 
     def denom(mask):
         if cfg.agg == "token_mean":
@@ -341,8 +336,21 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     n_full, n_schema, tokens, schema_tokens = _all_sum(torch.stack([
         denom(mb["loss_mask"]), denom(mb["schema_mask"]), mb["loss_mask"].sum(), mb["schema_mask"].sum()]).float()
         ).tolist()
+    # a row whose tokens all have advantage 0 on both tracks adds nothing to the gradient (without a KL term): it
+    # counts in the normalisers above but is never forwarded (in a group of 4 mostly-wrong rollouts, most rows)
+    if cfg.kl_beta == 0:
+        live = ((mb["adv_full"] != 0) | (mb["adv_schema"] != 0)).any(1).nonzero().flatten()
+        idx = [idx[j] for j in live.tolist()]
+        mb = {k: v[live if idx else [0]] * (1 if idx or k in ("input_ids", "turn_ids") else 0) for k, v in mb.items()}
+    lengths = [len(trajs[i].token_ids) for i in idx]
+    micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
+             for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
+    if _is_fsdp(model):  # FSDP runs collectives in every forward: all ranks need the same number of micro-batches
+        n_micro = int(_all_sum(torch.tensor(max(len(micro), 1), device=device), dist.ReduceOp.MAX).item())
+        micro += [(slice(0, 1), slice(None))] * (n_micro - len(micro))  # extra passes over row 0 (zero mask if no rows)
+    forwarded = _all_sum(mb["loss_mask"].sum()).item()
     return mb | dict(micro=micro, rows=len(idx), n_full=n_full, n_schema=n_schema, tokens=tokens,
-                     schema_tokens=schema_tokens)
+                     schema_tokens=schema_tokens, forwarded=forwarded)
 
 # -----------------------------------------------------------------------------
 

@@ -19,6 +19,10 @@ How the engine works:
 - Continuous batching: at most max_rows rows decode at once. A finished row's slot is handed to the next waiting
   row; once none wait, a finished row's slot decodes pads until a quarter of the slots are dead, and then they are
   index-selected out of the cache (each compaction copies the whole cache, so it is not done per finished row).
+- Decode attention by length ranges: a decode step's attention reads every row's keys up to the kv length, and
+  at 128 rows that read is most of the step. Slots are kept sorted by length (a sort, which copies the cache, only
+  when it cuts the keys read by a fifth), and each range of RANGE_ROWS consecutive rows reads only up to its own
+  longest row (ranged_sdpa, registered with transformers' AttentionInterface for the rollout's duration).
 - Sampling: temperature + top-p from a torch.Generator seeded with `seed`; greedy at temperature 0.
   sample_logprobs = log_softmax(logits / T) of the sampled token over the FULL vocabulary (log_softmax(logits) at
   T = 0): what a trainer recomputes "at the sampling temperature". With top_p < 1 the token is drawn from the
@@ -31,14 +35,19 @@ How the engine works:
 """
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import env
 
 _SENTINEL = "@@turn-content@@"
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward (observations, prompts)
+RANGE_ROWS = 16         # decode attention: rows per length range (see ranged_sdpa)
+SORT_BELOW = 0.8        # slots are sorted by length once that cuts the keys a decode step reads below this fraction
 
 # -----------------------------------------------------------------------------
 # Trajectory: what the trainer consumes
@@ -134,6 +143,7 @@ class SlotCache:
         self.rows = self.slots = None  # (A, 1), (A, C): where this forward's chunk is written
         self.kv_len = 0                # slots the attention reads this forward
         self.subset = None             # (A,) rows a prefill reads, None: all rows
+        self.limit = None              # tokens a row ever holds; pads past it all go to one scratch slot, `limit`
 
     def reserve(self, n):
         """Grow every buffer to >= n slots, 1024 at a time. New slots are zeros: masked slots must hold finite values,
@@ -141,7 +151,8 @@ class SlotCache:
         capacity = self.k[0].shape[2]
         if n > capacity:
             grow = max(n - capacity, 1024)
-            pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], grow, x.shape[3])], dim=2)
+            pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], grow, x.shape[3])], dim=2) if capacity else \
+                x.new_zeros(*x.shape[:2], grow, x.shape[3])  # the first allocation copies nothing
             self.k, self.v = [pad(k) for k in self.k], [pad(v) for v in self.v]
 
     def update(self, key, value, layer_idx, *args, **kwargs):  # key, value: (A, Hkv, C, D)
@@ -159,10 +170,69 @@ class SlotCache:
             k[row, :, :n], v[row, :, :n] = hk[0, :, :n], hv[0, :, :n]
         self.lens[row] = n
 
-    def keep(self, index):  # index: (A',) rows to keep, in order
-        self.k = [k.index_select(0, index) for k in self.k]
-        self.v = [v.index_select(0, index) for v in self.v]
-        self.lens = [self.lens[i] for i in index.tolist()]
+    def keep(self, index):
+        """Row index[j] becomes row j (a compaction or a sort), in place: copying into new buffers would page-fault
+        ~100 MB per layer at 128 rows (~1.5 s per call), while per-row copies of the used slots allocate nothing.
+        The moves follow the cycles of the permutation, each with one row held aside."""
+        used, n = max(self.lens, default=0), len(index)
+        kept = set(index)
+        src = list(index) + [i for i in range(len(self.lens)) if i not in kept]  # dropped rows go last
+        done = [False] * len(src)
+        for start in range(n):
+            if done[start] or src[start] == start:
+                continue
+            held = [x[start, :, :used].clone() for x in self.k + self.v]
+            pos = start
+            while not done[pos]:
+                done[pos] = True
+                if src[pos] == start:
+                    for x, h in zip(self.k + self.v, held):
+                        x[pos, :, :used] = h
+                    break
+                for x in self.k + self.v:
+                    x[pos, :, :used] = x[src[pos], :, :used]
+                pos = src[pos]
+        self.k, self.v = [k[:n] for k in self.k], [v[:n] for v in self.v]
+        self.lens = [self.lens[i] for i in index]
+
+
+def ranged_sdpa(module, query, key, value, attention_mask, row_ranges=None, **kwargs):
+    """SDPA where rows [s, e) read only their first n keys, for each (s, e, n) of row_ranges. A decode step reads
+    every row's keys up to the longest row's length, and at 128 rows that read is most of the step's time; with rows
+    sorted by length (SlotCache.sort_by_length) each range reads about its own rows' lengths instead. No
+    row_ranges: plain sdpa (prefills)."""
+    if row_ranges is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = [sdpa_attention_forward(module, query[s:e], key[s:e, :, :n], value[s:e, :, :n],
+                                  attention_mask[s:e, :, :, :n], **kwargs)[0] for s, e, n in row_ranges]
+    return torch.cat(out), None
+
+
+AttentionInterface.register("sqlrl_ranged_sdpa", ranged_sdpa)
+
+
+def row_ranges(lens, C):
+    """[(s, e, keys)] over consecutive rows: each range attends over its own longest row (+ the C new tokens)."""
+    rows = RANGE_ROWS
+    return [(s, min(s + rows, len(lens)), max(lens[s:s + rows]) + C) for s in range(0, len(lens), rows)]
+
+
+@contextmanager
+def ranged_attention(model):
+    """An sdpa model decodes through ranged_sdpa while this lasts; its own setting comes back after."""
+    own = model.config._attn_implementation
+    if own == "sdpa":
+        model.set_attn_implementation("sqlrl_ranged_sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
+
+
+def keys_read(lens, rows=None):
+    """Keys a ranged decode step reads over rows in this order: each range reads its longest row's length."""
+    lens, rows = list(lens), rows or RANGE_ROWS
+    return sum(len(lens[s:s + rows]) * max(lens[s:s + rows]) for s in range(0, len(lens), rows))
 
 
 def forward_chunks(model, cache, chunks, pad_id, rows=None, logits=True):
@@ -175,16 +245,21 @@ def forward_chunks(model, cache, chunks, pad_id, rows=None, logits=True):
     C = max(n)
     ids = torch.tensor([c + [pad_id] * (C - len(c)) for c in chunks], device=device)  # (A, C)
     pos = torch.tensor(lens, device=device)[:, None] + torch.arange(C, device=device)  # (A, C)
-    # pads write past their row's length, where nothing real has been yet; real tokens overwrite them later
-    cache.kv_len = max(lens) + C
+    # pads write past their row's length, where nothing real has been yet; real tokens overwrite them later. Past
+    # the limit they share a scratch slot, so a long row padded to a long chunk never grows (copies) the cache
+    slots, cache.kv_len = pos, max(lens) + C
+    if cache.limit is not None:
+        slots, cache.kv_len = pos.clamp(max=cache.limit), min(cache.kv_len, cache.limit + 1)
     cache.reserve(cache.kv_len)
-    cache.rows, cache.slots, cache.subset = index[:, None], pos, None if rows is None else index
+    cache.rows, cache.slots, cache.subset = index[:, None], slots, None if rows is None else index
     allowed = torch.arange(cache.kv_len, device=device) <= pos[:, None, :, None]  # (A, 1, C, kv_len)
     dtype = cache.k[0].dtype  # an additive float mask: SDPA's CPU kernel runs ~20% faster than with a bool one
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     # a 4-D mask is used as given by every HF model class (a dict of masks only by those with sliding layers)
+    ranged = {} if rows is not None or model.config._attn_implementation != "sqlrl_ranged_sdpa" else \
+        {"row_ranges": row_ranges(lens, C)}
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                                 use_cache=True).last_hidden_state  # (A, C, H)
+                                 use_cache=True, **ranged).last_hidden_state  # (A, C, H)
     for r, k in zip(index.tolist(), n):
         cache.lens[r] += k
     if not logits:
@@ -319,6 +394,8 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     autocast = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else param.dtype
     cache = SlotCache(model, min(len(waiting), max_rows or len(waiting)), param.device, dtype)
+    cache.limit = max_total_tokens  # rows never hold more, so the cache is allocated once (a growth copies it all)
+    cache.reserve(max_total_tokens + 1)
     pad = tokenizer.pad_token_id
 
     # --- every prompt starts with the same system message: prefill it once into a one-row cache; each row's slot
@@ -340,77 +417,86 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
 
     active = [admit(slot) for slot in range(cache.shape[0])]
 
-    while active:
-        # --- observations waiting to be fed go in as prefill batches; then one decode step for every slot (a dead
-        # slot, None, decodes a pad at position 0 until the next compaction: cheaper than compacting every time)
-        live = [(i, r) for i, r in enumerate(active) if r is not None]
-        for i, r in enumerate(active):
-            if r is None:
-                cache.lens[i] = 0  # a dead slot's pad never raises the kv length every row attends over
-        prefill(model, cache, {i: rows[r].feed for i, r in live}, pad)
-        logits = forward_chunks(model, cache, [[pad] if r is None else rows[r].feed[-1:] for r in active], pad)
-        tokens, logp = sample(logits, temperature, top_p, generator)  # (A,), (A, V)
-        tokens = tokens.tolist()
-        if force is not None:
+    ranged = model.config._attn_implementation == "sdpa"
+    with ranged_attention(model):
+        while active:
+            for i, r in enumerate(active):
+                if r is None:
+                    cache.lens[i] = 0  # a dead slot's pad never raises the kv length every row attends over
+            # --- slots sorted by length let each range of rows read only about its own keys (ranged_sdpa); a sort
+            # moves most of the cache, so it happens only once the keys a step reads would drop enough
+            ahead = [cache.lens[i] + (0 if r is None else len(rows[r].feed)) for i, r in enumerate(active)]
+            order = sorted(range(len(active)), key=ahead.__getitem__)
+            if ranged and keys_read(ahead[j] for j in order) < SORT_BELOW * keys_read(ahead):
+                active = [active[j] for j in order]
+                cache.keep(order)
+            # --- observations waiting to be fed go in as prefill batches; then one decode step for every slot (a dead
+            # slot, None, decodes a pad at position 0 until the next compaction: cheaper than compacting every time)
+            live = [(i, r) for i, r in enumerate(active) if r is not None]
+            prefill(model, cache, {i: rows[r].feed for i, r in live}, pad)
+            logits = forward_chunks(model, cache, [[pad] if r is None else rows[r].feed[-1:] for r in active], pad)
+            tokens, logp = sample(logits, temperature, top_p, generator)  # (A,), (A, V)
+            tokens = tokens.tolist()
+            if force is not None:
+                for i, r in live:
+                    forced = force(r, rows[r].traj.num_turns, rows[r].traj.token_ids[rows[r].turn_start:])
+                    tokens[i] = tokens[i] if forced is None else forced
+            token_logp = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
+
+            # --- append the sampled token; decide per row: keep decoding, end the turn, or hit a limit
+            ended = []
             for i, r in live:
-                forced = force(r, rows[r].traj.num_turns, rows[r].traj.token_ids[rows[r].turn_start:])
-                tokens[i] = tokens[i] if forced is None else forced
-        token_logp = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
-
-        # --- append the sampled token; decide per row: keep decoding, end the turn, or hit a limit
-        ended = []
-        for i, r in live:
-            row, token = rows[r], tokens[i]
-            traj = row.traj
-            _append(traj, [token], traj.num_turns, loss=1, logprobs=[token_logp[i]])
-            if token in bits.eos_ids or hits_stop(tokenizer, bits, traj.token_ids, row.turn_start):
-                ended.append(r)
-            elif len(traj.token_ids) >= max_total_tokens or len(traj.token_ids) - row.turn_start >= max_new_tokens:
-                traj.num_turns += 1
-                traj.turn_times.append(time.perf_counter() - row.turn_t0)
-                _finish(row, "context" if len(traj.token_ids) >= max_total_tokens else "max_tokens", cut_turn=True)
-            else:
-                row.feed = [token]
-
-        # --- tool calls of all rows that ended a turn together run as one batch
-        texts = [turn_text(tokenizer, bits, rows[r].traj.token_ids[rows[r].turn_start:]) for r in ended]
-        sqls = [env.pending_sql(rows[r].traj.episode, text) for r, text in zip(ended, texts)]
-        jobs = [(rows[r].traj.example["db_path"], sql) for r, sql in zip(ended, sqls) if sql is not None]
-        results = iter(env.run_many(jobs, workers=sql_workers) if jobs else [])
-        for r, text, sql in zip(ended, texts, sqls):
-            row = rows[r]
-            traj = row.traj
-            turn, last = traj.num_turns, traj.token_ids[-1]
-            observation, done = env.step(traj.episode, text, next(results) if sql is not None else None)
-            traj.num_turns += 1
-            # close the assistant message exactly as the template does (a sampled eos is its first token)
-            extra = bits.close_ids[1:] if last == bits.close_ids[0] else list(bits.close_ids)
-            if not done:
-                extra += observation_ids(tokenizer, bits, proto.obs_role, observation)
-            fits = len(traj.token_ids) + len(extra) + (0 if done else 1) <= max_total_tokens
-            if fits:
-                _append(traj, extra, turn)
-            traj.turn_times.append(time.perf_counter() - row.turn_t0)
-            if done or not fits:
-                _finish(row, traj.episode.stop_reason if done else "context")
-            else:
-                row.feed, row.turn_start, row.turn_t0 = [last] + extra, len(traj.token_ids), time.perf_counter()
-
-        # --- a finished row hands its slot to a waiting row; with none waiting the slot dies, and once a quarter of
-        # the slots are dead they leave the cache (each compaction copies the whole cache)
-        for i, r in live:
-            if rows[r].traj.stop_reason:
-                if bar is not None:
-                    bar.update(1)
-                if waiting:
-                    active[i] = admit(i)
+                row, token = rows[r], tokens[i]
+                traj = row.traj
+                _append(traj, [token], traj.num_turns, loss=1, logprobs=[token_logp[i]])
+                if token in bits.eos_ids or hits_stop(tokenizer, bits, traj.token_ids, row.turn_start):
+                    ended.append(r)
+                elif len(traj.token_ids) >= max_total_tokens or len(traj.token_ids) - row.turn_start >= max_new_tokens:
+                    traj.num_turns += 1
+                    traj.turn_times.append(time.perf_counter() - row.turn_t0)
+                    _finish(row, "context" if len(traj.token_ids) >= max_total_tokens else "max_tokens", cut_turn=True)
                 else:
-                    active[i] = None
-        keep = [i for i, r in enumerate(active) if r is not None]
-        if len(keep) <= 0.75 * len(active):
-            active = [active[i] for i in keep]
-            if active:
-                cache.keep(torch.tensor(keep, device=param.device))
+                    row.feed = [token]
+
+            # --- tool calls of all rows that ended a turn together run as one batch
+            texts = [turn_text(tokenizer, bits, rows[r].traj.token_ids[rows[r].turn_start:]) for r in ended]
+            sqls = [env.pending_sql(rows[r].traj.episode, text) for r, text in zip(ended, texts)]
+            jobs = [(rows[r].traj.example["db_path"], sql) for r, sql in zip(ended, sqls) if sql is not None]
+            results = iter(env.run_many(jobs, workers=sql_workers) if jobs else [])
+            for r, text, sql in zip(ended, texts, sqls):
+                row = rows[r]
+                traj = row.traj
+                turn, last = traj.num_turns, traj.token_ids[-1]
+                observation, done = env.step(traj.episode, text, next(results) if sql is not None else None)
+                traj.num_turns += 1
+                # close the assistant message exactly as the template does (a sampled eos is its first token)
+                extra = bits.close_ids[1:] if last == bits.close_ids[0] else list(bits.close_ids)
+                if not done:
+                    extra += observation_ids(tokenizer, bits, proto.obs_role, observation)
+                fits = len(traj.token_ids) + len(extra) + (0 if done else 1) <= max_total_tokens
+                if fits:
+                    _append(traj, extra, turn)
+                traj.turn_times.append(time.perf_counter() - row.turn_t0)
+                if done or not fits:
+                    _finish(row, traj.episode.stop_reason if done else "context")
+                else:
+                    row.feed, row.turn_start, row.turn_t0 = [last] + extra, len(traj.token_ids), time.perf_counter()
+
+            # --- a finished row hands its slot to a waiting row; with none waiting the slot dies, and once a quarter of
+            # the slots are dead they leave the cache (each compaction copies the whole cache)
+            for i, r in live:
+                if rows[r].traj.stop_reason:
+                    if bar is not None:
+                        bar.update(1)
+                    if waiting:
+                        active[i] = admit(i)
+                    else:
+                        active[i] = None
+            keep = [i for i, r in enumerate(active) if r is not None]
+            if len(keep) <= 0.75 * len(active):
+                active = [active[i] for i in keep]
+                if active:
+                    cache.keep(keep)
     return [row.traj for row in rows]
 
 def rollout_with_signal(model, tokenizer, prompts, protocol, reward_fn, *, refill=None, rounds=3, seed, group_size,

@@ -232,6 +232,24 @@ def test_filters_report_what_they_removed():
     assert m["masked_truncated"] == 1 and m["tokens"] == sum(sum(t.loss_mask) for t in trajs) - sum(trajs[6].loss_mask)
 
 
+def test_rows_without_advantage_are_not_forwarded_and_change_no_weight():
+    # rows 4-7 are two groups of equal rewards on both tracks: skipped, but still in the token-mean normaliser, so
+    # the update equals one that forwards all 8 rows (a KL term against an identical reference forwards every row
+    # and adds no gradient: d/dlogp of k3 is 0 where logp = ref)
+    trajs, cfg = _trajs(8), GRPOConfig(group_size=2, micro_batch_size=2, grad_clip=1e9)
+    skipping, forwarding = _tiny_model(), _tiny_model()
+    m = grpo_step(skipping, torch.optim.SGD(skipping.parameters(), lr=1.0), trajs, REWARDS8, cfg)
+    ref = _tiny_model()
+    cfg.kl_beta = 1.0
+    full = grpo_step(forwarding, torch.optim.SGD(forwarding.parameters(), lr=1.0), trajs, REWARDS8, cfg, ref)
+    assert m["forwarded_tokens"] == sum(sum(t.loss_mask) for t in trajs[:4]) < m["tokens"]
+    assert full["forwarded_tokens"] == full["tokens"] == m["tokens"] and m["loss_full"] == pytest.approx(
+        full["loss_full"], abs=1e-6)
+    assert any((p - q).abs().max() > 1e-4 for p, q in zip(skipping.parameters(), ref.parameters()))  # it moved
+    for p, q in zip(skipping.parameters(), forwarding.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
 def test_naive_single_track_adds_schema_to_terminal_reward():
     model, trajs = _tiny_model(), _trajs(4)
     naive = GRPOConfig(group_size=2, naive_schema_weight=0.25, schema_lambda=0.25, micro_batch_size=4)

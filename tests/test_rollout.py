@@ -166,6 +166,30 @@ def test_continuous_batching_decodes_each_row_as_the_full_batch_does(tiny, examp
         assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
         assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
 
+def test_keys_read_counts_each_range_at_its_longest_row():
+    assert rollout.keys_read([5, 100, 6, 90], rows=2) == 2 * 100 + 2 * 90
+    assert rollout.keys_read(sorted([5, 100, 6, 90]), rows=2) == 2 * 6 + 2 * 100  # sorted: 212 keys instead of 380
+
+
+def test_length_ranges_and_sorted_slots_decode_as_one_range_does(tiny, examples, monkeypatch):
+    # rows alternate observations of 1 and 10 CREATE statements, so lengths alternate; with 2 rows per range the cache gets
+    # sorted and each pair of rows reads its own keys only, which must change no token and no log-prob
+    scripts = {r: [trust_call(f"SELECT sql FROM sqlite_master LIMIT {1 + 9 * (r % 2)}"), 3 + 2 * r]
+               for r in range(8)}
+    monkeypatch.setattr(rollout, "RANGE_ROWS", 10 ** 6)  # one range: every row reads the longest row's keys
+    whole = run(tiny, examples[:8], scripts)
+    sorts = []
+    keep = rollout.SlotCache.keep
+    monkeypatch.setattr(rollout.SlotCache, "keep", lambda self, index: sorts.append(len(index)) or keep(self, index))
+    monkeypatch.setattr(rollout, "RANGE_ROWS", 2)
+    monkeypatch.setattr(rollout, "SORT_BELOW", 0.99)
+    ranged = run(tiny, examples[:8], scripts)
+    assert 8 in sorts  # the 8 slots were permuted at least once
+    assert tiny[0].config._attn_implementation == "sdpa"  # the model's own setting is back
+    for a, b in zip(whole, ranged):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
+
 # -----------------------------------------------------------------------------
 # 3. token-in/token-out
 
