@@ -7,31 +7,24 @@ fed (token-in/token-out: no decode -> re-tokenize drift).
 
     python rollout.py --data data/gym/dev.jsonl --protocol trust --num-examples 4 --group-size 2 --max-turns 5
 
-How the engine works:
+How the engine works (details and measurements: docs/rollout.md):
 - SlotCache keeps per layer one K and one V buffer of shape (B, Hkv, S, D). Row b holds its tokens in slots
-  0..len_b-1 with no gaps, so a token's position id is its slot and the mask of row b is just "slot <= my position".
-  Replaying a finished trajectory in one plain forward therefore sees the same positions and keys.
-- Each step is one decode forward over all active rows, one token each. Tokens that have to go in before it (the
-  prompt; after a tool call the template's end-of-turn tokens, the observation message and the generation prompt)
-  are prefilled first for just the rows that have them, batched by similar length. Padded chunks write their pads
-  to slots past the row's length, which no real token ever attends to. The system message every prompt starts
-  with is prefilled once and its keys/values copied into each row.
-- Continuous batching: at most max_rows rows decode at once. A finished row's slot is handed to the next waiting
-  row; once none wait, a finished row's slot decodes pads until a quarter of the slots are dead, and then they are
-  index-selected out of the cache (each compaction copies the whole cache, so it is not done per finished row).
-- Decode attention by length ranges: a decode step's attention reads every row's keys up to the kv length, and
-  at 128 rows that read is most of the step. Slots are kept sorted by length (a sort, which copies the cache, only
-  when it cuts the keys read by a fifth), and each range of RANGE_ROWS consecutive rows reads only up to its own
-  longest row (ranged_sdpa, registered with transformers' AttentionInterface for the rollout's duration).
+  0..len_b-1 with no gaps, so a token's position id is its slot and the mask of row b is just "slot <= my position":
+  a replay of the finished trajectory in one plain forward sees the same positions and keys.
+- Each step is one decode forward over all active rows, one token each. Tokens that must go in first (the prompt;
+  after a tool call the end-of-turn tokens, the observation message and the generation prompt) are prefilled for
+  just the rows that have them, batched by similar length; pads go to slots past the row's length. The shared
+  system message is prefilled once and copied into each row.
+- Continuous batching: at most max_rows rows decode at once; a finished row's slot goes to the next waiting row.
+  Once none wait, dead slots decode pads until a quarter are dead, and then leave the cache.
+- Decode attention by length ranges: slots are kept sorted by length, and each range of RANGE_ROWS rows reads keys
+  only up to its own longest row (ranged_sdpa), not the whole batch's.
 - Sampling: temperature + top-p from a torch.Generator seeded with `seed`; greedy at temperature 0.
-  sample_logprobs = log_softmax(logits / T) of the sampled token over the FULL vocabulary (log_softmax(logits) at
-  T = 0): what a trainer recomputes "at the sampling temperature". With top_p < 1 the token is drawn from the
-  renormalised nucleus, so the recorded value is the untruncated tempered log-prob (a documented choice; at
-  top_p = 1 it is exactly the distribution sampled from).
+  sample_logprobs = log_softmax(logits / T) of the sampled token over the FULL vocabulary: what a trainer
+  recomputes at the sampling temperature. With top_p < 1 the recorded value is the untruncated tempered log-prob.
 - Limits are always visible in stop_reason: max_turns (env), max_tokens (a turn reached max_new_tokens), context
   (the row would exceed max_total_tokens). Nothing is ever cut from the left. A turn cut by a limit is recorded on
-  the Episode as an "invalid" action, so episode.actions keeps one entry per sampled turn. The SQL-Trail style
-  "this is your last turn" hint is part of env's wrap_observation.
+  the Episode as an "invalid" action, so episode.actions keeps one entry per sampled turn.
 """
 import os
 import time
@@ -197,11 +190,9 @@ class SlotCache:
 
 
 def ranged_sdpa(module, query, key, value, attention_mask, row_ranges=None, **kwargs):
-    """SDPA where rows [s, e) read only their first n keys, for each (s, e, n) of row_ranges. A decode step reads
-    every row's keys up to the longest row's length, and at 128 rows that read is most of the step's time; with rows
-    sorted by length (SlotCache.sort_by_length) each range reads about its own rows' lengths instead. No
-    row_ranges: plain sdpa (prefills)."""
-    if row_ranges is None:
+    """SDPA where rows [s, e) read only their first n keys, for each (s, e, n) of row_ranges: at 128 rows the key
+    read is most of a decode step, and over length-sorted rows each range reads about its own rows' lengths."""
+    if row_ranges is None:  # prefills
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out = [sdpa_attention_forward(module, query[s:e], key[s:e, :, :n], value[s:e, :, :n],
                                   attention_mask[s:e, :, :, :n], **kwargs)[0] for s, e, n in row_ranges]
@@ -211,10 +202,10 @@ def ranged_sdpa(module, query, key, value, attention_mask, row_ranges=None, **kw
 AttentionInterface.register("sqlrl_ranged_sdpa", ranged_sdpa)
 
 
-def row_ranges(lens, C):
-    """[(s, e, keys)] over consecutive rows: each range attends over its own longest row (+ the C new tokens)."""
-    rows = RANGE_ROWS
-    return [(s, min(s + rows, len(lens)), max(lens[s:s + rows]) + C) for s in range(0, len(lens), rows)]
+def row_ranges(lens, C=0):
+    """[(s, e, keys)] over RANGE_ROWS consecutive rows: each range reads up to its longest row (+ C new tokens)."""
+    R = RANGE_ROWS
+    return [(s, min(s + R, len(lens)), max(lens[s:s + R]) + C) for s in range(0, len(lens), R)]
 
 
 @contextmanager
@@ -227,12 +218,6 @@ def ranged_attention(model):
         yield
     finally:
         model.set_attn_implementation(own)
-
-
-def keys_read(lens, rows=None):
-    """Keys a ranged decode step reads over rows in this order: each range reads its longest row's length."""
-    lens, rows = list(lens), rows or RANGE_ROWS
-    return sum(len(lens[s:s + rows]) * max(lens[s:s + rows]) for s in range(0, len(lens), rows))
 
 
 def forward_chunks(model, cache, chunks, pad_id, rows=None, logits=True):
@@ -427,7 +412,8 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             # moves most of the cache, so it happens only once the keys a step reads would drop enough
             ahead = [cache.lens[i] + (0 if r is None else len(rows[r].feed)) for i, r in enumerate(active)]
             order = sorted(range(len(active)), key=ahead.__getitem__)
-            if ranged and keys_read(ahead[j] for j in order) < SORT_BELOW * keys_read(ahead):
+            keys = lambda lens: sum((e - s) * n for s, e, n in row_ranges(lens))  # noqa: E731
+            if ranged and keys([ahead[j] for j in order]) < SORT_BELOW * keys(ahead):
                 active = [active[j] for j in order]
                 cache.keep(order)
             # --- observations waiting to be fed go in as prefill batches; then one decode step for every slot (a dead

@@ -166,9 +166,10 @@ def test_continuous_batching_decodes_each_row_as_the_full_batch_does(tiny, examp
         assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
         assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
 
-def test_keys_read_counts_each_range_at_its_longest_row():
-    assert rollout.keys_read([5, 100, 6, 90], rows=2) == 2 * 100 + 2 * 90
-    assert rollout.keys_read(sorted([5, 100, 6, 90]), rows=2) == 2 * 6 + 2 * 100  # sorted: 212 keys instead of 380
+def test_each_row_range_reads_up_to_its_longest_row(monkeypatch):
+    monkeypatch.setattr(rollout, "RANGE_ROWS", 2)
+    assert rollout.row_ranges([5, 100, 6, 90], 1) == [(0, 2, 101), (2, 4, 91)]
+    assert rollout.row_ranges(sorted([5, 100, 6, 90]), 1) == [(0, 2, 7), (2, 4, 101)]  # sorted: 216 keys, not 384
 
 
 def test_length_ranges_and_sorted_slots_decode_as_one_range_does(tiny, examples, monkeypatch):
