@@ -333,22 +333,25 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
         if cfg.agg == "seq_mean":
             return (mask.sum(1) > 0).sum().float()
         return torch.tensor(float(mask.shape[0] * cfg.dr_grpo_len), device=device) if idx else mask.sum() * 0
-    n_full, n_schema, tokens, schema_tokens = _all_sum(torch.stack([
-        denom(mb["loss_mask"]), denom(mb["schema_mask"]), mb["loss_mask"].sum(), mb["schema_mask"].sum()]).float()
-        ).tolist()
-    # a row whose tokens all have advantage 0 on both tracks adds nothing to the gradient (without a KL term): it
-    # counts in the normalisers above but is never forwarded (in a group of 4 mostly-wrong rollouts, most rows)
-    if cfg.kl_beta == 0:
-        live = ((mb["adv_full"] != 0) | (mb["adv_schema"] != 0)).any(1).nonzero().flatten()
-        idx = [idx[j] for j in live.tolist()]
-        mb = {k: v[live if idx else [0]] * (1 if idx or k in ("input_ids", "turn_ids") else 0) for k, v in mb.items()}
+    # a row with no active token, or (without a KL term) whose tokens all have advantage 0 on both tracks, adds
+    # nothing to the gradient: it counts in the normalisers but is never forwarded (in a group of 4 mostly-wrong
+    # rollouts, most rows; the advantages are already masked)
+    live = mb["loss_mask"].any(1) if cfg.kl_beta > 0 else ((mb["adv_full"] != 0) | (mb["adv_schema"] != 0)).any(1)
+    n_full, n_schema, tokens, schema_tokens, forwarded = _all_sum(torch.stack([
+        denom(mb["loss_mask"]), denom(mb["schema_mask"]), mb["loss_mask"].sum(), mb["schema_mask"].sum(),
+        mb["loss_mask"][live].sum()]).float()).tolist()
+    rows = live.nonzero().flatten().tolist()
+    idx = [idx[j] for j in rows]
+    mb = {k: v[rows or [0]] for k, v in mb.items()}
+    if not idx:  # one placeholder row (FSDP's filler passes forward it) with nothing to learn
+        for k in ("loss_mask", "schema_mask", "adv_full", "adv_schema"):
+            mb[k] = torch.zeros_like(mb[k])
     lengths = [len(trajs[i].token_ids) for i in idx]
     micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
              for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
     if _is_fsdp(model):  # FSDP runs collectives in every forward: all ranks need the same number of micro-batches
         n_micro = int(_all_sum(torch.tensor(max(len(micro), 1), device=device), dist.ReduceOp.MAX).item())
         micro += [(slice(0, 1), slice(None))] * (n_micro - len(micro))  # extra passes over row 0 (zero mask if no rows)
-    forwarded = _all_sum(mb["loss_mask"].sum()).item()
     return mb | dict(micro=micro, rows=len(idx), n_full=n_full, n_schema=n_schema, tokens=tokens,
                      schema_tokens=schema_tokens, forwarded=forwarded)
 

@@ -210,12 +210,13 @@ def row_ranges(lens, C=0):
 
 @contextmanager
 def ranged_attention(model):
-    """An sdpa model decodes through ranged_sdpa while this lasts; its own setting comes back after."""
+    """An sdpa model decodes through ranged_sdpa while this lasts (yields whether it does); its own setting comes
+    back after."""
     own = model.config._attn_implementation
     if own == "sdpa":
         model.set_attn_implementation("sqlrl_ranged_sdpa")
     try:
-        yield
+        yield own == "sdpa"
     finally:
         model.set_attn_implementation(own)
 
@@ -402,8 +403,8 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
 
     active = [admit(slot) for slot in range(cache.shape[0])]
 
-    ranged = model.config._attn_implementation == "sdpa"
-    with ranged_attention(model):
+    keys = lambda lens: sum((e - s) * n for s, e, n in row_ranges(lens))  # noqa: E731  keys a decode step reads
+    with ranged_attention(model) as ranged:
         while active:
             for i, r in enumerate(active):
                 if r is None:
@@ -412,7 +413,6 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             # moves most of the cache, so it happens only once the keys a step reads would drop enough
             ahead = [cache.lens[i] + (0 if r is None else len(rows[r].feed)) for i, r in enumerate(active)]
             order = sorted(range(len(active)), key=ahead.__getitem__)
-            keys = lambda lens: sum((e - s) * n for s, e, n in row_ranges(lens))  # noqa: E731
             if ranged and keys([ahead[j] for j in order]) < SORT_BELOW * keys(ahead):
                 active = [active[j] for j in order]
                 cache.keep(order)
@@ -469,7 +469,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
                     row.feed, row.turn_start, row.turn_t0 = [last] + extra, len(traj.token_ids), time.perf_counter()
 
             # --- a finished row hands its slot to a waiting row; with none waiting the slot dies, and once a quarter of
-            # the slots are dead they leave the cache (each compaction copies the whole cache)
+            # the slots are dead they leave the cache (each compaction moves every kept row)
             for i, r in live:
                 if rows[r].traj.stop_reason:
                     if bar is not None:

@@ -166,6 +166,7 @@ def test_continuous_batching_decodes_each_row_as_the_full_batch_does(tiny, examp
         assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
         assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
 
+
 def test_each_row_range_reads_up_to_its_longest_row(monkeypatch):
     monkeypatch.setattr(rollout, "RANGE_ROWS", 2)
     assert rollout.row_ranges([5, 100, 6, 90], 1) == [(0, 2, 101), (2, 4, 91)]
@@ -173,8 +174,8 @@ def test_each_row_range_reads_up_to_its_longest_row(monkeypatch):
 
 
 def test_length_ranges_and_sorted_slots_decode_as_one_range_does(tiny, examples, monkeypatch):
-    # rows alternate observations of 1 and 10 CREATE statements, so lengths alternate; with 2 rows per range the cache gets
-    # sorted and each pair of rows reads its own keys only, which must change no token and no log-prob
+    # rows alternate observations of 1 and 10 CREATE statements, so lengths alternate; with 2 rows per range the
+    # cache gets sorted and each pair of rows reads its own keys only, which must change no token and no log-prob
     scripts = {r: [trust_call(f"SELECT sql FROM sqlite_master LIMIT {1 + 9 * (r % 2)}"), 3 + 2 * r]
                for r in range(8)}
     monkeypatch.setattr(rollout, "RANGE_ROWS", 10 ** 6)  # one range: every row reads the longest row's keys
