@@ -289,16 +289,18 @@ def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
 
 def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_size, **rollout_kw):
     """{id: fraction of k sampled rollouts that reward_fn scores correct} over all ranks' examples: the difficulty
-    filters' pass@k estimate (TRUST App. A.3, SQL-Trail eq. 13), one continuous batch per rank."""
+    filters' pass@k estimate (TRUST App. A.3, SQL-Trail eq. 13), one continuous batch per rank. Also this rank's
+    trajectories and reward dicts (group-major, k per example), which are on-policy groups RL can train on."""
     with torch.no_grad():
         trajs, _ = run_agent(model, tokenizer, examples, desc="filter", batch_size=batch_size, **rollout_kw)
-    rates = {ex["id"]: float(np.mean([reward_fn(t, ex)["correct"] for t in trajs[i * k:(i + 1) * k]]))
+    rewards = [reward_fn(t, t.example) for t in trajs]
+    rates = {ex["id"]: float(np.mean([r["correct"] for r in rewards[i * k:(i + 1) * k]]))
              for i, ex in enumerate(examples)}
     if world > 1:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, rates)
         rates = {i: r for part in gathered for i, r in part.items()}
-    return rates
+    return rates, trajs, rewards
 
 
 class Logger:

@@ -233,10 +233,11 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
                                     device=device))
     metrics = dict(zip(["filtered_trajectories", "filtered_groups", "masked_truncated", "rows", "trajectories"],
                        counts.tolist()))
-    metrics |= {"reward_full_mean": r_full.mean().item(), "adv_full_abs_mean": adv_full[rows].abs().mean().item()
-                if idx else 0.0, "adv_full_abs_max": adv_full.abs().max().item()}
+    top = lambda x: x.abs().max().item() if N else 0.0  # noqa: E731  (a rank may hold no group at all)
+    metrics |= {"reward_full_mean": r_full.mean().item() if N else 0.0, "adv_full_abs_max": top(adv_full),
+                "adv_full_abs_mean": adv_full[rows].abs().mean().item() if idx else 0.0}
     if dual:
-        metrics |= {"reward_schema_mean": r_schema.mean().item(), "adv_schema_abs_max": adv_schema.abs().max().item()}
+        metrics |= {"reward_schema_mean": r_schema.mean().item(), "adv_schema_abs_max": top(adv_schema)}
     if metrics["rows"] == 0:  # every rank filtered everything: nothing to learn this step
         return metrics | {"loss": 0.0, "tokens": 0, "skipped": True}
 
@@ -324,8 +325,9 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     propose = torch.tensor([trajs[i].episode.propose_turn for i in idx] or [-1], device=device)
     mb["schema_mask"] = schema_track_mask(mb["loss_mask"], mb["turn_ids"], propose) if dual else \
         torch.zeros_like(mb["loss_mask"])
-    mb["adv_full"] = adv_full[idx or [0]].to(device).unsqueeze(1) * mb["loss_mask"]  # (B, T) per-row
-    mb["adv_schema"] = adv_schema[idx or [0]].to(device).unsqueeze(1) * mb["schema_mask"]
+    rows = lambda adv: (adv[idx] if idx else torch.zeros(1)).to(device).unsqueeze(1)  # noqa: E731  (B, 1)
+    mb["adv_full"] = rows(adv_full) * mb["loss_mask"]  # (B, T) per-row
+    mb["adv_schema"] = rows(adv_schema) * mb["schema_mask"]
 
     def denom(mask):
         if cfg.agg == "token_mean":

@@ -306,6 +306,12 @@ LEVELS = {"easy": "simple", "simple": "simple", "medium": "medium", "moderate": 
           "challenging": "hard", "extra": "hard", "complex": "hard", "highly complex": "hard", "unknown": "hard"}
 
 
+def difficulty_score(pass_rate: float) -> float:
+    """SQL-Trail's S(q) (eq. 13): the pass rate when the policy sometimes solves q, else 1 (a group of its rollouts
+    would carry no signal). Lowest first: hard but solvable."""
+    return pass_rate if 0 < pass_rate < 1 else 1.0
+
+
 def turn_budget(difficulty: str, max_turns: int) -> int:
     """Per-question turns for --adaptive-turns: our reading of SQL-Trail's difficulty-aware budget (eq. 7 pays simple
     questions for <= 2 turns, medium for <= 3, hard ones for < T): simple a third of T (at least 3), medium half (at

@@ -38,7 +38,7 @@ from eval import Logger, evaluate_ex, pass_rates, report, trained_settings  # no
 from model import (all_reduce_sum, barrier, distribute, latest_checkpoint, load_model,  # noqa: E402
                    load_trainer_state, load_weights, make_optimizer, reference_model, replaceable_checkpoints, resolve,
                    save_checkpoint, setup_distributed, take)
-from rewards import REWARDS, turn_budget  # noqa: E402
+from rewards import REWARDS, difficulty_score, turn_budget  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
@@ -78,10 +78,11 @@ RECIPES = {
 # paper's alone is 612 tokens); the teacher lists the tables (the gym's largest database has 39), reads the CREATE
 # TABLE of the ones it needs and answers, with no value probes or distractor tables. RL sees only questions the SFT
 # policy sometimes solves (SQL-Trail's S(q) over 4 rollouts of 48 candidates): on the whole pool most groups of
-# rollouts are all wrong, and GRPO then learns to answer anything executable (docs/experiments.md).
+# rollouts are all wrong, and GRPO then learns to answer anything executable (docs/experiments.md). The filter's
+# groups are the first step's batch; one more step of 8 questions x 4 rollouts follows.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=2048, sft_steps=24, sft_batch_size=4, micro_batch_size=4,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=3, rl_batch_size=4, group_size=8, rl_lr=1e-5, temperature=0.7,
+            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=2, rl_batch_size=8, group_size=4, rl_lr=2e-5, temperature=0.7,
             filter_k=4, filter_limit=48, filter_top_n=12, filter_unsolved_n=0, eval_limit=100, spider_limit=50,
             ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
@@ -145,8 +146,7 @@ def get_parser(add_help=True):
     a("--ppo-epochs", type=pos, default=1, help="passes over each batch of rollouts")
     a("--ppo-mini-batch-size", type=nonneg, default=0, help="prompts per optimizer step (verl's ppo_mini_batch_size): "
       "rl-batch-size / this steps per batch, all against the log-probs before the first (0 = whole batch)")
-    a("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen copy of the starting policy (0 = off, as "
-      "SQL-Trail and MTIR)")
+    a("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen copy of the starting policy (0 = off: SQL-Trail)")
     a("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"], help="token losses -> one number: "
       "DAPO token mean, GRPO sequence mean, Dr. GRPO sum / (sequences x max-total-tokens)")
     a("--scale-std", type=int, default=1, help="0: advantages not divided by the group std (Dr. GRPO)")
@@ -156,9 +156,9 @@ def get_parser(add_help=True):
     a("--filter-pass-rate", type=float, default=0.75, help="keep questions with pass rate below this (TRUST <6/8)")
     a("--filter-top-n", type=nonneg, default=0, help="SQL-Trail A.6: keep the N questions of lowest difficulty score "
       "S(q) (eq. 13) instead of the pass-rate rule (0 = TRUST's rule)")
-    a("--filter-unsolved-n", type=nonneg, default=0, help="with --filter-top-n: also keep this many never-solved "
-      "questions (SQL-Trail's exploration set)")
-    a("--filter-k", type=nonneg, default=8, help="rollouts per question for the difficulty filter (0 = no filter)")
+    a("--filter-unsolved-n", type=nonneg, default=0, help="with --filter-top-n: this many never-solved ones too")
+    a("--filter-k", type=nonneg, default=8, help="rollouts per question for the difficulty filter (0 = no filter); "
+      "equal to --group-size, the kept groups are RL's first batch")
     a("--filter-limit", type=nonneg, default=0, help="candidate questions for the filter (0 = all)")
     # optimisation
     a("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
@@ -194,8 +194,7 @@ def get_args(argv=None):
     parser = get_parser()
     first, _ = get_parser(add_help=False).parse_known_args(argv)  # --help waits for the presets: it shows them
     parser.set_defaults(**RECIPES[first.recipe])
-    if first.model == "smollm2":
-        parser.set_defaults(**DEMO)
+    parser.set_defaults(**(DEMO if first.model == "smollm2" else {}))
     parser.set_defaults(**trained_settings(first.model))
     if first.quick:
         parser.set_defaults(**QUICK)
@@ -213,18 +212,25 @@ def rollout_kwargs(args, **over):
 
 def difficulty_filter(policy, tokenizer, examples, args, rank, world):
     """Pass rate of each candidate over --filter-k rollouts of the current policy (each rank one continuous batch of
-    a strided share; rates gathered so every rank holds the same pool), then the recipe's rule (select_rl_pool)."""
-    rates = pass_rates(policy, tokenizer, examples[rank::world], REWARDS[args.reward], rank, world, args.filter_k,
-                       batch_size=args.eval_batch_size, seed=args.seed * 7919 + rank, protocol=args.protocol,
-                       **rollout_kwargs(args, group_size=args.filter_k))
+    a strided share; rates gathered so every rank holds the same pool), then the recipe's rule (select_rl_pool).
+    Returns the pool and this rank's share of RL's first batch: the kept groups ranked by S(q), which are on-policy
+    groups of the same sampler, so when --filter-k equals --group-size they need not be rolled out again."""
+    mine, k = examples[rank::world], args.filter_k
+    rates, trajs, rewards = pass_rates(policy, tokenizer, mine, REWARDS[args.reward], rank, world, k,
+                                       batch_size=args.eval_batch_size, seed=args.seed * 7919 + rank,
+                                       protocol=args.protocol, **rollout_kwargs(args, group_size=k))
     pool = select_rl_pool(examples, rates, args)
+    kept = {ex["id"] for ex in pool}
+    groups = {ex["id"]: range(i * k, (i + 1) * k) for i, ex in enumerate(mine) if ex["id"] in kept}
+    first = sorted(groups, key=lambda q: difficulty_score(rates[q]))[: args.rl_batch_size // world]
+    warm = ([trajs[j] for q in first for j in groups[q]], [rewards[j] for q in first for j in groups[q]])
     rule = (f"S(q) top {args.filter_top_n} + {args.filter_unsolved_n} unsolved" if args.filter_top_n else
             f"pass rate < {args.filter_pass_rate}")
     if rank == 0:
         print(f"difficulty filter: kept {len(pool)}/{len(examples)} by {rule} over {args.filter_k} rollouts")
     if not pool:
         raise ValueError("the difficulty filter kept no question: raise --filter-pass-rate or --filter-top-n")
-    return pool
+    return pool, warm if k == args.group_size and not args.adaptive_turns else None  # else not what RL samples
 
 
 def select_rl_pool(examples, rates, args):
@@ -233,8 +239,8 @@ def select_rl_pool(examples, rates, args):
     --filter-unsolved-n never-solved questions as its exploration set."""
     if not args.filter_top_n:
         return [ex for ex in examples if rates[ex["id"]] < args.filter_pass_rate]
-    score = lambda ex: rates[ex["id"]] if 0 < rates[ex["id"]] < 1 else 1.0  # noqa: E731
-    keep = {ex["id"] for ex in sorted(examples, key=score)[: args.filter_top_n]}  # stable sort: ties keep data order
+    ranked = sorted(examples, key=lambda ex: difficulty_score(rates[ex["id"]]))  # stable sort: ties keep data order
+    keep = {ex["id"] for ex in ranked[: args.filter_top_n]}
     unsolved = [ex["id"] for ex in examples if rates[ex["id"]] == 0 and ex["id"] not in keep]
     keep |= set(unsolved[: args.filter_unsolved_n])
     return [ex for ex in examples if ex["id"] in keep]
@@ -282,8 +288,9 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
     model.eval()
 
 
-def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
-    """Multi-turn GRPO: each rank rolls out its share of prompts (whole groups), rewards, one grpo_step."""
+def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
+    """Multi-turn GRPO: each rank rolls out its share of prompts (whole groups), rewards, one grpo_step. warm: the
+    first step's (trajectories, rewards) when the difficulty filter already sampled them."""
     from grpo import grpo_step
     from rollout import rollout_metrics, rollout_with_signal
     rank, world, log = ctx["rank"], ctx["world"], ctx["log"]
@@ -304,10 +311,13 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt):
         idx = take(len(pool), args.rl_batch_size, args.seed + 1, step * args.rl_batch_size)
         mine = [pool[i] for i in idx[rank::world]]  # whole groups stay on one rank
         t0 = time.perf_counter()
-        trajs, rewards, ds = rollout_with_signal(
-            ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], refill=refill if
-            args.dynamic_sampling else None, rounds=args.dynamic_sampling_rounds,
-            seed=(args.seed * 100_003 + step) * 1009 + rank, max_rows=args.eval_batch_size, **rollout_kwargs(args))
+        if step == 0 and warm is not None:
+            (trajs, rewards), ds = warm, {}
+        else:
+            trajs, rewards, ds = rollout_with_signal(
+                ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], refill=refill if
+                args.dynamic_sampling else None, rounds=args.dynamic_sampling_rounds,
+                seed=(args.seed * 100_003 + step) * 1009 + rank, max_rows=args.eval_batch_size, **rollout_kwargs(args))
         t1 = time.perf_counter()
         model.train()
         with ctx["autocast"]():
@@ -473,8 +483,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         return out
 
     ctx = dict(rank=rank, world=world, device=device, log=log, wrap=wrap, autocast=autocast, maybe_save=maybe_save,
-               run_dir=run_dir,
-               dev=evalsets["dev"], policy=policy)
+               run_dir=run_dir, dev=evalsets["dev"], policy=policy)
 
     def record_eval(tag):
         if tag in state["evals"]:
@@ -507,11 +516,12 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     if "rl" in stages:
         if state["stage"] != "rl":
             state.update(stage="rl", step=0)
+        warm = None
         if state["rl_pool"] is None:
             pool = train
             if args.filter_k:
                 cands = train[: args.filter_limit or None]
-                pool = timed("filter", difficulty_filter, policy(), tokenizer, cands, args, rank, world)
+                pool, warm = timed("filter", difficulty_filter, policy(), tokenizer, cands, args, rank, world)
                 log.log({"stage": "filter", "step": 0, "gstep": state["gstep"], "filter_candidates": len(cands),
                          "filter_kept": len(pool)})
             state["rl_pool"] = [ex["id"] for ex in pool]
@@ -519,7 +529,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
                                  else {}) for ex in train}
         pool = [by_id[i] for i in state["rl_pool"]]
         timed("rl", train_rl, model, tokenizer, pool, args, ctx, state,
-              ckpt if ckpt is not None and state["step"] else None)
+              ckpt if ckpt is not None and state["step"] else None, warm)
         record_eval("rl")
 
     # --- report: the EX table, stage seconds, results.json and curves.png

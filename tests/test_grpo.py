@@ -310,6 +310,8 @@ RANK_CASES = {
     "plain": ([0, 1], [2, 3], dict()),
     # dynamic sampling empties rank 1 (its group's rewards are equal): it must still join every collective
     "rank1_filtered": ([0, 1], [4, 5], dict(dynamic_sampling=True)),
+    # rank 1 holds no group at all (the difficulty filter's first batch kept none of its candidates)
+    "rank1_empty": ([0, 1, 2, 3], [], dict()),
     # FSDP2 with uneven micro-batch counts (1 vs 2 passes of one row): fillers keep the collectives in step
     "fsdp": ([0, 1], [2, 3, 0, 1], dict(micro_batch_size=1)),
 }

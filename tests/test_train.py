@@ -398,7 +398,7 @@ def _fake_rollouts(monkeypatch, signal):
 
     def fake(policy, tokenizer, prompts, protocol, *, seed, group_size, **kw):
         calls.append([p["id"] for p in prompts])
-        return [SimpleNamespace(example=p, k=k) for p in prompts for k in range(group_size)]
+        return [SimpleNamespace(example=p, k=k, turn_times=[0.0]) for p in prompts for k in range(group_size)]
     monkeypatch.setattr(rollout, "rollout", fake)
     reward = lambda t, ex: {"full": float(ex["id"] in signal and t.k == 0)}  # noqa: E731
     return calls, reward
@@ -422,6 +422,33 @@ def test_dynamic_sampling_rolls_fresh_prompts_until_every_group_has_signal(monke
     calls, reward = _fake_rollouts(monkeypatch, signal=set())
     trajs, _, ds = rollout_with_signal(None, None, [{"id": 0}, {"id": 1}], "trust", reward, seed=0, group_size=2)
     assert len(calls) == 1 and ds == {} and len(trajs) == 4
+
+
+def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
+    # 6 candidates, 2 rollouts each: 1 and 4 solved once (S 0.5), 2 solved twice (S 1), the rest never (S 1)
+    calls, _ = _fake_rollouts(monkeypatch, signal=set())
+    solved = lambda t, ex: float(ex["id"] in (1, 4) and t.k == 0 or ex["id"] == 2)  # noqa: E731
+    monkeypatch.setitem(train.REWARDS, "fake", lambda t, ex: {"full": solved(t, ex), "correct": solved(t, ex)})
+    args = train.get_args(["--model", "tiny", "--reward", "fake", "--filter-k", "2", "--group-size", "2",
+                           "--filter-top-n", "3", "--rl-batch-size", "2"])
+    pool, (trajs, rewards) = train.difficulty_filter(None, None, [{"id": i} for i in range(6)], args, 0, 1)
+    assert calls == [list(range(6))]  # one rollout of every candidate, none again for RL
+    assert [ex["id"] for ex in pool] == [0, 1, 4]  # S(q) ranks 1, 4, then the first tie
+    assert [t.example["id"] for t in trajs] == [1, 1, 4, 4] and [r["full"] for r in rewards] == [1, 0, 1, 0]
+    args.group_size = 4  # groups of another size are not the batch RL would sample
+    assert train.difficulty_filter(None, None, [{"id": i} for i in range(6)], args, 0, 1)[1] is None
+
+
+def test_a_run_with_the_filter_rolls_out_once_less(tmp_path, monkeypatch):
+    import rollout
+    real, sizes = rollout.rollout, []
+    monkeypatch.setattr(rollout, "rollout", lambda *a, **kw: sizes.append(kw["group_size"]) or real(*a, **kw))
+    train.main(QUICK + ["--filter-k", "2", "--filter-limit", "2", "--filter-pass-rate", "1.01", "--out-dir",
+                        str(tmp_path)])
+    rl = [r for r in map(json.loads, (tmp_path / "quick" / "metrics.jsonl").read_text().splitlines())
+          if r["stage"] == "rl"]
+    # eval after SFT, the filter, RL step 2 (step 1 trains on the filter's groups), eval after RL
+    assert sizes == [1, 2, 2, 1] and len(rl) == 2 and rl[0]["trajectories"] == 4
 
 
 def test_grpo_flags_reach_the_update():
