@@ -146,7 +146,7 @@ def get_parser(add_help=True):
     a("--ppo-epochs", type=pos, default=1, help="passes over each batch of rollouts")
     a("--ppo-mini-batch-size", type=nonneg, default=0, help="prompts per optimizer step (verl's ppo_mini_batch_size): "
       "rl-batch-size / this steps per batch, all against the log-probs before the first (0 = whole batch)")
-    a("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen copy of the starting policy (0 = off: SQL-Trail)")
+    a("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen copy of the start policy (0 = off: Trail, MTIR)")
     a("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"], help="token losses -> one number: "
       "DAPO token mean, GRPO sequence mean, Dr. GRPO sum / (sequences x max-total-tokens)")
     a("--scale-std", type=int, default=1, help="0: advantages not divided by the group std (Dr. GRPO)")
