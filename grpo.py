@@ -325,9 +325,9 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     propose = torch.tensor([trajs[i].episode.propose_turn for i in idx] or [-1], device=device)
     mb["schema_mask"] = schema_track_mask(mb["loss_mask"], mb["turn_ids"], propose) if dual else \
         torch.zeros_like(mb["loss_mask"])
-    rows = lambda adv: (adv[idx] if idx else torch.zeros(1)).to(device).unsqueeze(1)  # noqa: E731  (B, 1)
-    mb["adv_full"] = rows(adv_full) * mb["loss_mask"]  # (B, T) per-row
-    mb["adv_schema"] = rows(adv_schema) * mb["schema_mask"]
+    per_row = lambda adv: (adv[idx] if idx else torch.zeros(1)).to(device).unsqueeze(1)  # noqa: E731  (B, 1)
+    mb["adv_full"] = per_row(adv_full) * mb["loss_mask"]  # (B, T)
+    mb["adv_schema"] = per_row(adv_schema) * mb["schema_mask"]
 
     def denom(mask):
         if cfg.agg == "token_mean":
