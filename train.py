@@ -75,16 +75,15 @@ RECIPES = {
 }
 
 # --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
-# paper's alone is 612 tokens); the teacher lists the tables (the gym's largest database has 39), reads the CREATE
-# TABLE of the ones it needs and answers, with no value probes or distractor tables. RL sees only questions the SFT
-# policy sometimes solves (SQL-Trail's S(q) over 4 rollouts of 48 candidates): on the whole pool most groups of
-# rollouts are all wrong, and GRPO then learns to answer anything executable (docs/experiments.md). The filter's
-# groups are the first step's batch; one more step of 8 questions x 4 rollouts follows.
+# paper's alone is 612 tokens); the teacher lists the tables, reads the CREATE TABLE of the ones it needs and answers.
+# RL sees only questions the SFT policy sometimes solves (S(q) over 4 rollouts of 48 candidates; on the whole pool GRPO
+# learns to answer anything executable, docs/experiments.md). Rollouts cost most of the time, so the filter's 12 kept
+# groups are RL's one batch: 2 passes of 3 PPO-clipped optimizer steps.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=2048, sft_steps=24, sft_batch_size=4, micro_batch_size=4,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=2, rl_batch_size=8, group_size=4, rl_lr=2e-5, temperature=0.7,
-            filter_k=4, filter_limit=48, filter_top_n=12, filter_unsolved_n=0, eval_limit=100, spider_limit=50,
-            ckpt_every=0, eval_batch_size=128)
+            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=1, rl_batch_size=12, ppo_mini_batch_size=4, ppo_epochs=1,
+            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=48, filter_top_n=12,
+            filter_unsolved_n=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
              rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2, teacher_limit=16, eval_limit=4, eval_every=0,
@@ -164,8 +163,8 @@ def get_parser(add_help=True):
     a("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
     a("--grad-clip", type=float, default=1.0, help="max gradient norm")
-    a("--micro-batch-size", type=nonneg, default=4, help="sequences per forward + backward, SFT and GRPO (0 = the whole "
-      "local batch: the recipes' SFT batches of 128-256 would not fit)")
+    a("--micro-batch-size", type=nonneg, default=4, help="sequences per forward + backward, SFT and GRPO (0 = the "
+      "whole local batch: the recipes' SFT batches of 128-256 would not fit)")
     # eval, checkpoints, logging
     a("--eval-every", type=nonneg, default=0, help="RL steps between dev evals (0 = only after each stage)")
     a("--eval-limit", type=nonneg, default=0, help="dev/test examples per eval (0 = all)")
@@ -276,13 +275,14 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
                 loss.backward()
             loss_sum += loss.item() / world
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item()
+        lr = sched.get_last_lr()[0]  # this step's: after sched.step() it would be the next one's
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_all = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64)).item()
         state["step"], state["gstep"] = step + 1, state["gstep"] + 1
         log.log({"stage": "sft", "step": step + 1, "gstep": state["gstep"], "loss": loss_all, "grad_norm": grad_norm,
-                 "lr": sched.get_last_lr()[0], "tokens": tokens, "time_update": time.perf_counter() - t0})
+                 "lr": lr, "tokens": tokens, "time_update": time.perf_counter() - t0})
         bar.set_postfix(loss=f"{loss_all:.3f}")
         ctx["maybe_save"](opt, sched, final=step + 1 == args.sft_steps)
     model.eval()
@@ -318,7 +318,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
                 ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], refill=refill if
                 args.dynamic_sampling else None, rounds=args.dynamic_sampling_rounds,
                 seed=(args.seed * 100_003 + step) * 1009 + rank, max_rows=args.eval_batch_size, **rollout_kwargs(args))
-        t1 = time.perf_counter()
+        t1, lr = time.perf_counter(), sched.get_last_lr()[0]  # the lr this step uses
         model.train()
         with ctx["autocast"]():
             gm = grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
@@ -326,7 +326,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         # rollout = generation + its tool calls + the rewards (executing each final SQL against gold)
         times = {"rollout": t1 - t0, "update": time.perf_counter() - t1}
         state["step"], state["gstep"] = step + 1, state["gstep"] + 1
-        row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": sched.get_last_lr()[0],
+        row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": lr,
                **rollout_metrics(trajs, rewards), **{f"time_{k}": v for k, v in times.items()}, **ds,
                **{k: v for k, v in gm.items() if isinstance(v, (int, float, bool))}}  # grpo's: already global
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.rl_steps:
