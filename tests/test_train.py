@@ -198,6 +198,9 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path, quick_run):
     assert json.loads((run / "results.json").read_text())["seconds"]["sft"] > 0
     config = json.loads((run / "config.json").read_text())  # the effective flags: recipe, presets, command line
     assert (config["sft_steps"], config["rl_steps"], config["model"], config["recipe"]) == (2, 2, "tiny", "trust")
+    # each row logs the lr its own step used: the peak first (one warmup step), then cosine's half-way point
+    for stage, peak in (("sft", config["sft_lr"]), ("rl", config["rl_lr"])):
+        assert [r["lr"] for r in rows if r["stage"] == stage] == pytest.approx([peak, peak / 2]), stage
     # eval.py evaluates the checkpoint in the protocol it was trained with, not the full trust prompt
     out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--model", str(ckpt), "--limit", "2", "--samples",
                           "1", "--out-dir", str(tmp_path / "eval"), "--name", "e"], capture_output=True, text=True,
