@@ -249,7 +249,7 @@ def bench_rollout(args):
         """Time one decode step with ctx tokens cached per row; compare with reading weights + KV once at 4.8 TB/s."""
         cfg, param = model.config, next(model.parameters())
         with torch.inference_mode():
-            cache = SlotCache(model, rows, param.device, param.dtype)
+            cache = SlotCache(model, rows, param.device, param.dtype, ctx + steps + 3)
             for _ in range(0, ctx, 512):
                 forward_chunks(model, cache, [[7] * 512] * rows, tokenizer.pad_token_id, logits=False)
             gen = torch.Generator(device=param.device).manual_seed(0)

@@ -126,27 +126,36 @@ def turn_text(tokenizer, bits, turn_tokens):
 class SlotCache:
     """Duck-types the transformers Cache interface the decoder layers use (update). Per layer (B, Hkv, S, D)."""
 
-    def __init__(self, model, batch, device, dtype):
+    def __init__(self, model, batch, device, dtype, limit):
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = (batch, cfg.num_key_value_heads, 0, head_dim)
-        self.k = [torch.zeros(self.shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(self.shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        # CPU memory is committed page by page when first written, so there the buffers span every slot from the
+        # start and cost only what reserve() zeroes; an accelerator commits it at allocation, so there they grow
+        slots = limit + 1 if torch.device(device).type == "cpu" else 0
+        self.shape = (batch, cfg.num_key_value_heads, slots, head_dim)
+        self.k = [torch.empty(self.shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.empty(self.shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.lens = [0] * batch        # tokens held by each row
+        self.ready = 0                 # slots [0, ready) are zeroed or written; the rest may hold garbage
         self.rows = self.slots = None  # (A, 1), (A, C): where this forward's chunk is written
         self.kv_len = 0                # slots the attention reads this forward
         self.subset = None             # (A,) rows a prefill reads, None: all rows
-        self.limit = None              # tokens a row ever holds; pads past it all go to one scratch slot, `limit`
+        self.limit = limit             # tokens a row ever holds; pads past it all go to one scratch slot, `limit`
 
     def reserve(self, n):
-        """Grow every buffer to >= n slots, 1024 at a time. New slots are zeros: masked slots must hold finite values,
-        since a masked key still multiplies its value by a zero weight."""
-        capacity = self.k[0].shape[2]
-        if n > capacity:
-            grow = max(n - capacity, 1024)
-            pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], grow, x.shape[3])], dim=2) if capacity else \
-                x.new_zeros(*x.shape[:2], grow, x.shape[3])  # the first allocation copies nothing
-            self.k, self.v = [pad(k) for k in self.k], [pad(v) for v in self.v]
+        """Make slots [0, n) readable, 1024 at a time. Masked slots must hold finite values, since a masked key still
+        multiplies its value by a zero weight, so a slot is zeroed before it is first read."""
+        if n <= self.ready:
+            return
+        end = min(max(n, self.ready + 1024), self.limit + 1)
+        for bufs in (self.k, self.v) if end > self.k[0].shape[2] else ():
+            for layer, x in enumerate(bufs):  # layer by layer: the copy adds one layer's memory, not the cache's
+                grown = x.new_empty(*x.shape[:2], end, x.shape[3])
+                grown[:, :, :self.ready] = x[:, :, :self.ready]
+                bufs[layer] = grown
+        for x in self.k + self.v:
+            x[:, :, self.ready:end].zero_()
+        self.ready = end
 
     def update(self, key, value, layer_idx, *args, **kwargs):  # key, value: (A, Hkv, C, D)
         k, v = self.k[layer_idx], self.v[layer_idx]
@@ -233,9 +242,7 @@ def forward_chunks(model, cache, chunks, pad_id, rows=None, logits=True):
     pos = torch.tensor(lens, device=device)[:, None] + torch.arange(C, device=device)  # (A, C)
     # pads write past their row's length, where nothing real has been yet; real tokens overwrite them later. Past
     # the limit they share a scratch slot, so a long row padded to a long chunk never grows (copies) the cache
-    slots, cache.kv_len = pos, max(lens) + C
-    if cache.limit is not None:
-        slots, cache.kv_len = pos.clamp(max=cache.limit), min(cache.kv_len, cache.limit + 1)
+    slots, cache.kv_len = pos.clamp(max=cache.limit), min(max(lens) + C, cache.limit + 1)
     cache.reserve(cache.kv_len)
     cache.rows, cache.slots, cache.subset = index[:, None], slots, None if rows is None else index
     allowed = torch.arange(cache.kv_len, device=device) <= pos[:, None, :, None]  # (A, 1, C, kv_len)
@@ -379,16 +386,14 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     device_type = param.device.type
     autocast = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else param.dtype
-    cache = SlotCache(model, min(len(waiting), max_rows or len(waiting)), param.device, dtype)
-    cache.limit = max_total_tokens  # rows never hold more, so the cache is allocated once (a growth copies it all)
-    cache.reserve(max_total_tokens + 1)
+    cache = SlotCache(model, min(len(waiting), max_rows or len(waiting)), param.device, dtype, max_total_tokens)
     pad = tokenizer.pad_token_id
 
     # --- every prompt starts with the same system message: prefill it once into a one-row cache; each row's slot
     # starts as a copy of it, and the rest of the row's prompt is prefilled with the other rows' feeds
     prompts = [rows[r].feed for r in waiting]
     shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts), default=1) - 1) if prompts else 0
-    head = SlotCache(model, 1, param.device, dtype)
+    head = SlotCache(model, 1, param.device, dtype, max(shared, 1))
     if shared > 1:
         forward_chunks(model, head, [prompts[0][:shared]], pad, logits=False)
     else:
@@ -406,9 +411,8 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     keys = lambda lens: sum((e - s) * n for s, e, n in row_ranges(lens))  # noqa: E731  keys a decode step reads
     with ranged_attention(model) as ranged:
         while active:
-            for i, r in enumerate(active):
-                if r is None:
-                    cache.lens[i] = 0  # a dead slot's pad never raises the kv length every row attends over
+            # a dead slot's pad never raises the kv length every row attends over
+            cache.lens = [0 if r is None else n for r, n in zip(active, cache.lens)]
             # --- slots sorted by length let each range of rows read only about its own keys (ranged_sdpa); a sort
             # moves most of the cache, so it happens only once the keys a step reads would drop enough
             ahead = [cache.lens[i] + (0 if r is None else len(rows[r].feed)) for i, r in enumerate(active)]
@@ -474,10 +478,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
                 if rows[r].traj.stop_reason:
                     if bar is not None:
                         bar.update(1)
-                    if waiting:
-                        active[i] = admit(i)
-                    else:
-                        active[i] = None
+                    active[i] = admit(i) if waiting else None
             keep = [i for i, r in enumerate(active) if r is not None]
             if len(keep) <= 0.75 * len(active):
                 active = [active[i] for i in keep]

@@ -167,6 +167,35 @@ def test_continuous_batching_decodes_each_row_as_the_full_batch_does(tiny, examp
         assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("start", ["garbage", "no slots"])
+def test_cache_slots_are_zeroed_before_first_read_and_grow_where_memory_is_committed(tiny, examples, monkeypatch,
+                                                                                    start):
+    # garbage: CPU buffers span every slot untouched, so they may hold NaN until reserve() zeroes them; a masked NaN
+    # key or value would still poison its row. no slots: an accelerator's buffers start empty and grow by copies
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r % 4 + 1}")] +
+               ([trust_answer("SELECT 1")] if r % 3 == 0 else []) for r in range(8)}
+    clean = run(tiny, examples[:8], scripts)
+    caches, init = [], rollout.SlotCache.__init__
+
+    def dirty_init(self, *args):
+        init(self, *args)
+        if start == "garbage":
+            for x in self.k + self.v:
+                x.fill_(float("nan"))
+        else:
+            self.k, self.v = [x[:, :, :0] for x in self.k], [x[:, :, :0] for x in self.v]
+        caches.append(self)
+    monkeypatch.setattr(rollout.SlotCache, "__init__", dirty_init)
+    dirty = run(tiny, examples[:8], scripts)
+    for a, b in zip(clean, dirty):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
+    batch_cache, longest = caches[0], max(len(t.token_ids) for t in dirty)  # caches[1]: the shared system prompt
+    assert batch_cache.ready == 1024 * (longest // 1024 + 1)  # zeroed as far as rows reached, not to the limit
+    if start == "no slots":
+        assert batch_cache.k[0].shape[2] == batch_cache.ready  # and grown only that far
+
+
 def test_each_row_range_reads_up_to_its_longest_row(monkeypatch):
     monkeypatch.setattr(rollout, "RANGE_ROWS", 2)
     assert rollout.row_ranges([5, 100, 6, 90], 1) == [(0, 2, 101), (2, 4, 91)]
