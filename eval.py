@@ -13,7 +13,7 @@ scorers' own conventions (query rewriting, VES timing, their files) live in data
 data/bird/prepare.py.
 
     python eval.py --model tiny --limit 20 --samples 4 --max-turns 3          # gym dev split, untrained tiny model
-    python eval.py --model out/demo-seed0/ckpt-000038 --samples 8   # a train.py checkpoint: its own protocol
+    python eval.py --model out/demo-seed0/ckpt-000025 --samples 8   # a train.py checkpoint: its own protocol
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --scoring spider --samples 8
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --spider-ts-dir ~/test-suite-database  # TS accuracy
     python eval.py --model Qwen/Qwen3-4B --data data/bird/dev.jsonl --bird-predictions out/predict_dev.json
