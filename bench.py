@@ -152,8 +152,8 @@ def bench_rollout(args):
     producing the same number of tokens in one uninterrupted turn (no tools, one prefill: the ceiling for a decoder).
     All get identical work: the trust protocol in unknown-schema mode, 5 turns of exactly `turn_len` tokens from a
     scripted policy (tool calls whose observations are tens of rows, then confirm_answer), the same observations.
-    CPU: SmolLM2-135M-Instruct in bf16 weights, as the demo rolls out; with CUDA also a random Qwen3-4B-shaped model
-    at batch 64 in bf16, and the fraction of the HBM-bandwidth bound that one decode step reaches."""
+    CPU: SmolLM2-135M-Instruct in the demo's rollout precision (--dtype auto); with CUDA also a random Qwen3-4B-shaped
+    model at batch 64 in bf16, and the fraction of the HBM-bandwidth bound that one decode step reaches."""
     import json
     import time
 
@@ -161,7 +161,7 @@ def bench_rollout(args):
 
     import env
     from data.gym.prepare import ensure_gym
-    from model import build_random, load_model
+    from model import build_random, load_model, resolve_dtype
     from rollout import SlotCache, forward_chunks, rollout, sample
 
     turns, proto = 5, env.PROTOCOLS["trust"]
@@ -272,8 +272,9 @@ def bench_rollout(args):
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_model("smollm2", seed=args.seed)
-    model = model.to(torch.bfloat16)  # the demo's rollouts run on a bf16 copy of the weights
-    speedup = compare("SmolLM2-135M-Instruct / cpu / bf16", model, tokenizer, 32, 4, 96, repeats=1)
+    precision = resolve_dtype("auto", "cpu")  # the demo's: rollouts run on a bf16 copy where bf16 is fast
+    model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    speedup = compare(f"SmolLM2-135M-Instruct / cpu / {precision}", model, tokenizer, 32, 4, 96, repeats=1)
     if torch.cuda.is_available():
         model = build_random("Qwen3-4B", dtype=torch.bfloat16, device="cuda")
         model.set_attn_implementation("sdpa")  # rollout needs per-row masks; the naive loop gets the same kernels

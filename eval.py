@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import all_reduce_sum, unwrap
+from model import all_reduce_sum, resolve_dtype, unwrap
 from env import ArgumentParser, die, existing_file, load_examples, nonneg_int, positive_int, run_many
 from rewards import (SCORE_MAX_ROWS, classify_failure, gold_order_matters, gold_results,  # shared with the rewards
                      is_correct)
@@ -459,8 +459,8 @@ if __name__ == "__main__":
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help="checkpoint folder, 'smollm2' (the demo's model), "
                         "'tiny' (the test model) or a Hugging Face id")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights during evaluation (bf16: "
-                        "what train.py rolls out with)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights during "
+                        "evaluation (auto: bf16 where the device has fast bf16 matmuls, as train.py rolls out)")
     parser.add_argument("--data", type=existing_file, default=None,
                         help="examples JSONL (default: the gym dev split, built if missing)")
     # these five default to what a train.py checkpoint was trained with, else to ROLLOUT_FLAGS
@@ -541,7 +541,7 @@ if __name__ == "__main__":
         sys.exit(0)
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = torch.bfloat16 if resolve_dtype(args.dtype, args.device) == "bf16" else torch.float32
     try:
         model, tokenizer = load_model(model_path, device=args.device, dtype=dtype, seed=args.seed)  # resolved above
     except ValueError as e:  # e.g. a tokenizer without a chat template

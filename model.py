@@ -68,6 +68,26 @@ def attn_implementation(device, dtype=torch.bfloat16):
     return "flash_attention_2" if on_cuda and half and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
+def fast_bf16(device):
+    """Whether bf16 matmuls run at full speed on this device: CUDA with bf16 support, or an x86 CPU with AVX512-BF16
+    or AMX. Without them PyTorch emulates bf16: a 1024^2 matmul ran at 0.94 GFLOPS in bf16 against 144 in fp32 on a
+    2-core AVX2 EPYC."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return kind == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(name, device):
+    """--dtype auto|bf16|fp32 -> "bf16" or "fp32"; auto picks bf16 only where fast_bf16, so a run never crawls."""
+    if name == "auto":
+        return "bf16" if fast_bf16(device) else "fp32"
+    if name == "bf16" and not fast_bf16(device):
+        print(f"note: --dtype bf16 on a {torch.device(device).type} without fast bf16 matmuls runs far slower than "
+              "fp32 (--dtype auto picks fp32 here)")
+    return name
+
+
 def shape_config(shape_name):
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; choose one of {sorted(SHAPES)}")

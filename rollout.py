@@ -531,7 +531,8 @@ if __name__ == "__main__":
     pos = env.positive_int
     parser.add_argument("--model", default="smollm2", help='"smollm2" (the demo\'s model), "tiny" (the test model), a '
                         'Hugging Face id or a local folder')
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights while rolling out")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights while rolling "
+                        "out (auto: bf16 where the device has fast bf16 matmuls)")
     parser.add_argument("--data", type=env.existing_file, default=None, help="examples JSONL (default: gym dev)")
     parser.add_argument("--protocol", default="trust", choices=sorted(env.PROTOCOLS), help="agent turn format")
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
@@ -546,14 +547,14 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
-    from model import load_model
+    from model import load_model, resolve_dtype
     if args.data is None:
         from data.gym.prepare import ensure_gym
         args.data = str(ensure_gym() / "dev.jsonl")
     try:  # a user's --model or --data that cannot load: one line, not a traceback
         examples = env.load_examples(args.data)[:args.num_examples]
-        model, tokenizer = load_model(args.model, device=args.device,
-                                      dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        dtype = torch.bfloat16 if resolve_dtype(args.dtype, args.device) == "bf16" else torch.float32
+        model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as e:
         env.die(e)
     t0 = time.perf_counter()

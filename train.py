@@ -37,7 +37,7 @@ from data.teacher import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
 from eval import Logger, evaluate_ex, pass_rates, report, trained_settings  # noqa: E402
 from model import (all_reduce_sum, barrier, distribute, latest_checkpoint, load_model,  # noqa: E402
                    load_trainer_state, load_weights, make_optimizer, reference_model, replaceable_checkpoints, resolve,
-                   save_checkpoint, setup_distributed, take)
+                   resolve_dtype, save_checkpoint, setup_distributed, take)
 from rewards import REWARDS, difficulty_score, turn_budget  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -77,8 +77,7 @@ RECIPES = {
 # --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
 # paper's alone is 612 tokens); the teacher lists the tables, reads the CREATE TABLE of the ones it needs and answers.
 # RL sees only questions the SFT policy sometimes solves (S(q) over 4 rollouts of 48 candidates; on the whole pool GRPO
-# learns to answer anything executable, docs/experiments.md). Rollouts cost most of the time, so the filter's 12 kept
-# groups are RL's one batch: 2 passes of 3 PPO-clipped optimizer steps.
+# learns to answer anything executable, docs/experiments.md). Its 12 groups are RL's one batch: 3 mini-batch steps.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=2048, sft_steps=24, sft_batch_size=4, micro_batch_size=4,
             sft_lr=1e-4, warmup_ratio=0.05, rl_steps=1, rl_batch_size=12, ppo_mini_batch_size=4, ppo_epochs=1,
@@ -98,8 +97,8 @@ def get_parser(add_help=True):
     a("--stage", default="both", choices=["sft", "rl", "both"], help="which stages to run")
     a("--recipe", default="trust", choices=sorted(RECIPES), help="a paper's settings (RECIPES)")
     a("--model", default="smollm2", help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
-    a("--dtype", default="bf16", choices=["bf16", "fp32"], help="bf16: fp32 master weights and optimizer, bf16 "
-      "compute (autocast), rollouts from a bf16 copy of the weights")
+    a("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="bf16: fp32 master weights, bf16 compute "
+      "(autocast) and rollouts; auto: bf16 where its matmuls are fast (CUDA, AVX512-BF16 or AMX CPUs), else fp32")
     a("--data", type=file, default=None, help="RL training examples JSONL (default: the gym's train split)")
     a("--sft-data", type=file, default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
     a("--dev-data", type=file, default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
@@ -355,6 +354,7 @@ def grpo_config(args, pad_id):
 def main(argv=None):
     args = get_args(argv)
     rank, world, device = setup_distributed(args)
+    args.dtype = resolve_dtype(args.dtype, device)  # saved resolved in config.json
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)

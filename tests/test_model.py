@@ -144,6 +144,18 @@ def test_attention_implementation_choice():
     assert M.attn_implementation(torch.device("cpu"), torch.bfloat16) == "sdpa"
     assert M.attn_implementation("cuda", torch.float32) == "sdpa"  # flash-attn has no fp32 kernels
 
+
+@pytest.mark.parametrize("avx512_bf16, amx, auto", [(True, False, "bf16"), (False, True, "bf16"),
+                                                    (False, False, "fp32")])
+def test_dtype_auto_picks_bf16_only_on_cpus_with_bf16_matmul_units(monkeypatch, capsys, avx512_bf16, amx, auto):
+    # an AVX2-only EPYC ran bf16 matmuls 150x slower than fp32: auto must not pick bf16 there
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert M.resolve_dtype("auto", "cpu") == auto
+    assert M.resolve_dtype("fp32", "cpu") == "fp32"
+    assert M.resolve_dtype("bf16", "cpu") == "bf16"  # an explicit choice stands, with a note where it is slow
+    assert ("note: --dtype bf16" in capsys.readouterr().out) == (auto == "fp32")
+
 # -----------------------------------------------------------------------------
 # SHAPES: real published shapes, built on the meta device (no memory)
 

@@ -10,7 +10,7 @@ import env
 import rollout
 import train
 from grpo import GRPOConfig, build_batch, grpo_step, token_logprobs
-from model import load_model, save_checkpoint
+from model import load_model, resolve_dtype, save_checkpoint
 from rewards import REWARDS
 
 
@@ -107,7 +107,8 @@ def test_one_grpo_step_moves_smollm2_along_the_advantage_and_saves_a_plain_check
 
     before = mean_logp()
     model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the demo's --dtype bf16 update
+    bf16 = resolve_dtype("auto", "cpu") == "bf16"  # the demo's update: bf16 autocast where this CPU is fast in it
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         cfg = GRPOConfig(group_size=2, schema_lambda=0.25, pad_id=tokenizer.pad_token_id)
         grpo_step(model, opt, trajs, rewards, cfg)
     model.eval()
