@@ -161,7 +161,7 @@ def bench_rollout(args):
 
     import env
     from data.gym.prepare import ensure_gym
-    from model import build_random, load_model, resolve_dtype
+    from model import TORCH_DTYPES, build_random, load_model, resolve_dtype
     from rollout import SlotCache, forward_chunks, rollout, sample
 
     turns, proto = 5, env.PROTOCOLS["trust"]
@@ -273,7 +273,7 @@ def bench_rollout(args):
     torch.manual_seed(args.seed)
     model, tokenizer = load_model("smollm2", seed=args.seed)
     precision = resolve_dtype("auto", "cpu")  # the demo's: rollouts run on a bf16 copy where bf16 is fast
-    model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    model = model.to(TORCH_DTYPES[precision])
     speedup = compare(f"SmolLM2-135M-Instruct / cpu / {precision}", model, tokenizer, 32, 4, 96, repeats=1)
     if torch.cuda.is_available():
         model = build_random("Qwen3-4B", dtype=torch.bfloat16, device="cuda")

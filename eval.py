@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import all_reduce_sum, resolve_dtype, unwrap
+from model import TORCH_DTYPES, all_reduce_sum, resolve_dtype, unwrap
 from env import ArgumentParser, die, existing_file, load_examples, nonneg_int, positive_int, run_many
 from rewards import (SCORE_MAX_ROWS, classify_failure, gold_order_matters, gold_results,  # shared with the rewards
                      is_correct)
@@ -541,7 +541,7 @@ if __name__ == "__main__":
         sys.exit(0)
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if resolve_dtype(args.dtype, args.device) == "bf16" else torch.float32
+    dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device)]
     try:
         model, tokenizer = load_model(model_path, device=args.device, dtype=dtype, seed=args.seed)  # resolved above
     except ValueError as e:  # e.g. a tokenizer without a chat template

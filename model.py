@@ -78,6 +78,9 @@ def fast_bf16(device):
     return kind == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # resolve_dtype's names
+
+
 def resolve_dtype(name, device):
     """--dtype auto|bf16|fp32 -> "bf16" or "fp32"; auto picks bf16 only where fast_bf16, so a run never crawls."""
     if name == "auto":

@@ -547,13 +547,13 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
-    from model import load_model, resolve_dtype
+    from model import TORCH_DTYPES, load_model, resolve_dtype
     if args.data is None:
         from data.gym.prepare import ensure_gym
         args.data = str(ensure_gym() / "dev.jsonl")
     try:  # a user's --model or --data that cannot load: one line, not a traceback
         examples = env.load_examples(args.data)[:args.num_examples]
-        dtype = torch.bfloat16 if resolve_dtype(args.dtype, args.device) == "bf16" else torch.float32
+        dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device)]
         model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as e:
         env.die(e)
