@@ -20,6 +20,7 @@ data/bird/prepare.py.
     python eval.py --gold-as-prediction --data data/spider/dev.jsonl --scoring spider   # scorer self-check
 """
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -140,7 +141,9 @@ def run_agent(model, tokenizer, examples, *, group_size, batch_size, desc, **rol
     """Trajectories (group-major, group_size per example) and wall-clock seconds per question: one continuous batch
     of at most batch_size rows, so a question's latency is its own rows' time, not its batch's longest row."""
     from rollout import rollout
-    with tqdm(total=len(examples) * group_size, desc=desc, unit="traj", disable=None) as bar:
+    # shown by rank 0 also when stderr is a log file: the filter and an evaluation round run for minutes
+    with tqdm(total=len(examples) * group_size, desc=desc, unit="traj", disable=os.environ.get("RANK", "0") != "0",
+              mininterval=2) as bar:
         trajs = rollout(model, tokenizer, examples, group_size=group_size, max_rows=batch_size, bar=bar, **rollout_kw)
     latency = [max(sum(t.turn_times) for t in trajs[i * group_size:(i + 1) * group_size]) for i in range(len(examples))]
     return trajs, latency

@@ -315,6 +315,21 @@ def test_default_output_names_differ_for_gym_and_spider():
     assert ev.output_name("out/ckpt", "trust", "none", "data/spider/dev.jsonl") == "ckpt-trust-none-spider-dev"
 
 
+@pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
+def test_progress_bar_reaches_a_log_file_from_rank_0_only(monkeypatch, capsys, rank, shown):
+    # captured stderr is not a terminal, as under `python train.py > log 2>&1`: the bar must still be written
+    import rollout
+
+    def fake_rollout(model, tokenizer, examples, *, group_size, max_rows, bar, **kw):
+        bar.update(len(examples) * group_size)
+        return [SimpleNamespace(turn_times=[0.5, 0.25])] * (len(examples) * group_size)
+    monkeypatch.setattr(rollout, "rollout", fake_rollout)
+    monkeypatch.setenv("RANK", rank)
+    trajs, latency = ev.run_agent(None, None, [{}, {}, {}], group_size=2, batch_size=4, desc="greedy")
+    assert len(trajs) == 6 and latency == [0.75] * 3
+    assert ("greedy: 100%" in capsys.readouterr().err) == shown
+
+
 # -----------------------------------------------------------------------------
 # the CLI on test-suite databases; user errors: one line "error: ...", exit status 2, before any work
 
