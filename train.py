@@ -75,9 +75,8 @@ RECIPES = {
 }
 
 # --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
-# paper's alone is 612 tokens); the teacher lists the tables, reads the CREATE TABLE of the ones it needs and answers.
-# RL sees only questions the SFT policy sometimes solves (S(q) over 4 rollouts of 48 candidates; on the whole pool GRPO
-# learns to answer anything executable, docs/experiments.md). Its 12 groups are RL's one batch: 3 mini-batch steps.
+# paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and answers. RL sees only
+# questions SFT sometimes solves (S(q) over 4 rollouts of 48; docs/experiments.md): 12 groups, 3 mini-batch steps.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=2048, sft_steps=24, sft_batch_size=4, micro_batch_size=4,
             sft_lr=1e-4, warmup_ratio=0.05, rl_steps=1, rl_batch_size=12, ppo_mini_batch_size=4, ppo_epochs=1,
@@ -296,7 +295,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
     opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
     if ckpt is not None:
         load_trainer_state(ckpt, model, opt, sched, args, rank)
-    cfg = grpo_config(args, tokenizer.pad_token_id)
+    cfg = grpo_config(args, tokenizer.pad_token_id, ctx["sampler_is_model"])
     ref = reference_model(ctx["policy"](), ctx["run_dir"], rank, args.fsdp and world > 1,
                           resumed=ckpt is not None) if args.kl_beta else None
 
@@ -335,17 +334,18 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         ctx["maybe_save"](opt, sched, final=step + 1 == args.rl_steps)
 
 
-def grpo_config(args, pad_id):
+def grpo_config(args, pad_id, sampler_is_model=False):
+    """GRPOConfig from the flags; a sampler that IS the model (fp32) already logged the old policy's log-probs."""
     from grpo import GRPOConfig
+    mini = args.ppo_mini_batch_size or args.rl_batch_size
     return GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
                       eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
                       micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
                       trajectory_filter=bool(args.traj_filter), dynamic_sampling=bool(args.dynamic_sampling),
-                      ppo_epochs=args.ppo_epochs, mini_batches=args.rl_batch_size // (args.ppo_mini_batch_size or
-                                                                                       args.rl_batch_size),
-                      kl_beta=args.kl_beta, agg=args.agg, dr_grpo_len=args.max_total_tokens,
-                      scale_std=bool(args.scale_std), mask_truncated=bool(args.mask_truncated),
-                      naive_schema_weight=args.naive_schema_weight, pad_id=pad_id)
+                      ppo_epochs=args.ppo_epochs, mini_batches=args.rl_batch_size // mini, kl_beta=args.kl_beta,
+                      agg=args.agg, dr_grpo_len=args.max_total_tokens, scale_std=bool(args.scale_std),
+                      mask_truncated=bool(args.mask_truncated), naive_schema_weight=args.naive_schema_weight,
+                      recompute_old_logp=not (sampler_is_model and args.temperature > 0), pad_id=pad_id)
 
 
 # -----------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         return out
 
     ctx = dict(rank=rank, world=world, device=device, log=log, wrap=wrap, autocast=autocast, maybe_save=maybe_save,
-               run_dir=run_dir, dev=evalsets["dev"], policy=policy)
+               run_dir=run_dir, dev=evalsets["dev"], policy=policy, sampler_is_model=sampler is model)
 
     def record_eval(tag):
         if tag in state["evals"]:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from grpo import GRPOConfig, build_batch, group_advantages, grpo_step, policy_loss, schema_track_mask
+from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, policy_loss, schema_track_mask,
+                  token_logprobs)
 
 A = 0.5 / (math.sqrt(0.5) + 1e-6)  # advantage of each member of a 2-group whose rewards differ by 1
 
@@ -281,6 +282,26 @@ def test_one_step_per_batch_never_clips_but_a_second_mini_batch_does():
                     GRPOConfig(group_size=2, grad_clip=1e9, mini_batches=2))
     # groups 3-4 are scored against the weights before step 1: their ratio moved, and the big step hits the clip
     assert two["optimizer_steps"] == 2 and two["approx_kl"] > 0 and two["clip_frac_high"] + two["clip_frac_low"] > 0
+
+
+def test_sampler_logprobs_stand_in_for_the_recompute_when_the_sampler_is_the_model():
+    # the rollout's log-probs came from these very weights (train.py's fp32 case): two mini-batch steps, so the
+    # second one's ratios depend on the old log-probs, must land where recomputing them lands
+    trajs, rewards = _trajs(8), [{"full": float(i % 2), "schema": None} for i in range(8)]
+    batch = build_batch(trajs)
+    with torch.no_grad():
+        own = token_logprobs(_tiny_model(), batch["input_ids"], batch["loss_mask"])[0]
+    for t, row in zip(trajs, own):
+        t.sample_logprobs = row[: len(t.token_ids)].tolist()
+    after = {}
+    for recompute in (True, False):
+        model = _tiny_model()
+        m = grpo_step(model, torch.optim.SGD(model.parameters(), lr=5.0), trajs, rewards,
+                      GRPOConfig(group_size=2, grad_clip=1e9, mini_batches=2, recompute_old_logp=recompute))
+        weights = torch.cat([p.flatten() for p in model.parameters()])
+        after[recompute] = (weights, m["clip_frac_high"] + m["clip_frac_low"])
+    assert after[True][1] > 0  # the second step clips: the old log-probs matter
+    assert torch.allclose(after[True][0], after[False][0], atol=1e-5) and after[True][1] == after[False][1]
 
 
 def test_kl_gradient_pulls_the_policy_back_to_the_reference():

@@ -461,6 +461,8 @@ def test_grpo_flags_reach_the_update():
     cfg = train.grpo_config(args, pad_id=2)
     assert (cfg.mini_batches, cfg.kl_beta, cfg.agg, cfg.scale_std, cfg.mask_truncated, cfg.naive_schema_weight,
             cfg.dr_grpo_len) == (2, 0.01, "dr_grpo", False, True, 0.25, args.max_total_tokens)
+    # old log-probs: a bf16 sampler copy needs them recomputed; the fp32 model that sampled has logged them
+    assert cfg.recompute_old_logp and not train.grpo_config(args, 2, sampler_is_model=True).recompute_old_logp
 
 
 # -----------------------------------------------------------------------------
