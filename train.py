@@ -295,7 +295,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
     opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
     if ckpt is not None:
         load_trainer_state(ckpt, model, opt, sched, args, rank)
-    cfg = grpo_config(args, tokenizer.pad_token_id, ctx["sampler_exact"])
+    cfg = grpo_config(args, tokenizer.pad_token_id)
     ref = reference_model(ctx["policy"](), ctx["run_dir"], rank, args.fsdp and world > 1,
                           resumed=ckpt is not None) if args.kl_beta else None
 
@@ -334,8 +334,8 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         ctx["maybe_save"](opt, sched, final=step + 1 == args.rl_steps)
 
 
-def grpo_config(args, pad_id, sampler_exact=False):
-    """GRPOConfig from the flags; a sampler with the model's own fp32 weights logged the old policy's log-probs."""
+def grpo_config(args, pad_id):
+    """GRPOConfig from the flags; an fp32 sampler has the model's own weights: its log-probs are the old policy's."""
     from grpo import GRPOConfig
     mini = args.ppo_mini_batch_size or args.rl_batch_size
     return GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
@@ -345,7 +345,7 @@ def grpo_config(args, pad_id, sampler_exact=False):
                       ppo_epochs=args.ppo_epochs, mini_batches=args.rl_batch_size // mini, kl_beta=args.kl_beta,
                       agg=args.agg, dr_grpo_len=args.max_total_tokens, scale_std=bool(args.scale_std),
                       mask_truncated=bool(args.mask_truncated), naive_schema_weight=args.naive_schema_weight,
-                      recompute_old_logp=not (sampler_exact and args.temperature > 0), pad_id=pad_id)
+                      recompute_old_logp=not (args.dtype == "fp32" and args.temperature > 0), pad_id=pad_id)
 
 
 # -----------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         return out
 
     ctx = dict(rank=rank, world=world, device=device, log=log, wrap=wrap, autocast=autocast, maybe_save=maybe_save,
-               run_dir=run_dir, dev=evalsets["dev"], policy=policy, sampler_exact=not bf16)
+               run_dir=run_dir, dev=evalsets["dev"], policy=policy)
 
     def record_eval(tag):
         if tag in state["evals"]:

@@ -462,7 +462,8 @@ def test_grpo_flags_reach_the_update():
     assert (cfg.mini_batches, cfg.kl_beta, cfg.agg, cfg.scale_std, cfg.mask_truncated, cfg.naive_schema_weight,
             cfg.dr_grpo_len) == (2, 0.01, "dr_grpo", False, True, 0.25, args.max_total_tokens)
     # old log-probs: a bf16 sampler copy needs them recomputed; fp32 weights that sampled have logged them
-    assert cfg.recompute_old_logp and not train.grpo_config(args, 2, sampler_exact=True).recompute_old_logp
+    bf16, fp32 = (train.grpo_config(train.get_args(["--model", "tiny", "--dtype", d]), 2) for d in ("bf16", "fp32"))
+    assert bf16.recompute_old_logp and not fp32.recompute_old_logp
 
 
 # -----------------------------------------------------------------------------
