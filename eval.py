@@ -13,7 +13,7 @@ scorers' own conventions (query rewriting, VES timing, their files) live in data
 data/bird/prepare.py.
 
     python eval.py --model tiny --limit 20 --samples 4 --max-turns 3          # gym dev split, untrained tiny model
-    python eval.py --model out/demo-seed0/ckpt-000025 --samples 8   # a train.py checkpoint: its own protocol
+    python eval.py --model out/demo-seed0/ckpt-000049 --samples 8   # a train.py checkpoint: its own protocol
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --scoring spider --samples 8
     python eval.py --model out/ckpt --data data/spider/dev.jsonl --spider-ts-dir ~/test-suite-database  # TS accuracy
     python eval.py --model Qwen/Qwen3-4B --data data/bird/dev.jsonl --bird-predictions out/predict_dev.json
@@ -347,10 +347,11 @@ def plot_curves(rows, path):
     fig, ax = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
     ax[0].plot(x(sft), [r["loss"] for r in sft])
     ax[0].set(title="SFT", ylabel="masked NLL per agent token")
-    ax[1].plot(x(rl), [r["reward_full"] for r in rl], label="reward (full track)")
+    # markers: the demo's RL is one step, and a one-point line draws nothing
+    ax[1].plot(x(rl), [r["reward_full"] for r in rl], "o-", label="reward (full track)")
     if rl and "reward_schema" in rl[0]:
-        ax[1].plot(x(rl), [r["reward_schema"] for r in rl], label="reward (schema track)")
-    ax[1].plot(x(rl), [r["ex"] for r in rl], label="EX of the rollouts")
+        ax[1].plot(x(rl), [r["reward_schema"] for r in rl], "o-", label="reward (schema track)")
+    ax[1].plot(x(rl), [r["ex"] for r in rl], "o-", label="EX of the rollouts")
     ax[1].set(title="RL rollouts (mean per step)", ylabel="reward / EX")
     ax[1].legend(fontsize=8)
     for key in ("dev_ex", "test_ex", "spider_ex"):  # the evals after each stage (and every --eval-every steps)
@@ -361,7 +362,7 @@ def plot_curves(rows, path):
                 ax[2].annotate(f"{p[1]:.0f}", p, textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
     ax[2].set(title="greedy EX", ylabel="EX (%)")
     ax[2].legend(fontsize=8)
-    ax[3].plot(x(rl), [r["turns"] for r in rl])
+    ax[3].plot(x(rl), [r["turns"] for r in rl], "o-")
     ax[3].set(title="RL rollouts", ylabel="turns per trajectory")
     for a in ax:
         a.set_xlabel("global step (SFT, then RL)")

@@ -78,7 +78,7 @@ RECIPES = {
 # paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and answers. RL sees only
 # questions SFT sometimes solves (S(q) over 4 rollouts of 48; docs/experiments.md): 12 groups, 3 mini-batch steps.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
-            max_new_tokens=160, max_total_tokens=2048, sft_steps=24, sft_batch_size=4, micro_batch_size=4,
+            max_new_tokens=160, max_total_tokens=2048, sft_steps=48, sft_batch_size=4, micro_batch_size=4,
             sft_lr=1e-4, warmup_ratio=0.05, rl_steps=1, rl_batch_size=12, ppo_mini_batch_size=4, ppo_epochs=1,
             group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=48, filter_top_n=12,
             filter_unsolved_n=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
