@@ -2,8 +2,7 @@
 Batched multi-turn rollout: len(examples) * group_size agent episodes decoded together with ONE KV cache that lives
 across all turns. A turn ends at EOS or at a protocol stop string (a tool call); the SQL of every row that stopped at
 the same step runs in one env.run_many batch, the observation's chat-template tokens are fed into that row's cache,
-and the row keeps decoding. History is never re-encoded, and the training tensors are exactly the ids we sampled and
-fed (token-in/token-out: no decode -> re-tokenize drift).
+and the row decodes on. History is never re-encoded; the training tensors are the very ids sampled and fed.
 
     python rollout.py --data data/gym/dev.jsonl --protocol trust --num-examples 4 --group-size 2 --max-turns 5
 
@@ -19,9 +18,8 @@ How the engine works (details and measurements: docs/rollout.md):
   Once none wait, dead slots decode pads until a quarter are dead, and then leave the cache.
 - Decode attention by length ranges: slots are kept sorted by length, and each range of RANGE_ROWS rows reads keys
   only up to its own longest row (ranged_sdpa), not the whole batch's.
-- Sampling: temperature + top-p from a torch.Generator seeded with `seed`; greedy at temperature 0.
-  sample_logprobs = log_softmax(logits / T) of the sampled token over the FULL vocabulary: what a trainer
-  recomputes at the sampling temperature. With top_p < 1 the recorded value is the untruncated tempered log-prob.
+- Sampling: temperature + top-p, a torch.Generator seeded with `seed`; greedy at temperature 0. sample_logprobs =
+  log_softmax(logits / T) of the sampled token over the FULL vocabulary, untruncated by top_p: what trainers recompute.
 - Limits are always visible in stop_reason: max_turns (env), max_tokens (a turn reached max_new_tokens), context
   (the row would exceed max_total_tokens). Nothing is ever cut from the left. A turn cut by a limit is recorded on
   the Episode as an "invalid" action, so episode.actions keeps one entry per sampled turn.
@@ -32,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -40,6 +39,8 @@ import env
 _SENTINEL = "@@turn-content@@"
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward (observations, prompts)
 RANGE_ROWS = 16         # decode attention: rows per length range (see ranged_sdpa)
+# no cuDNN SDPA (Hopper's default): it compiles a plan per key length, so per decode step (docs/rollout.md, On a GPU)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 SORT_BELOW = 0.8        # slots are sorted by length once that cuts the keys a decode step reads below this fraction
 
 # -----------------------------------------------------------------------------
@@ -251,8 +252,9 @@ def forward_chunks(model, cache, chunks, pad_id, rows=None, logits=True):
     # a 4-D mask is used as given by every HF model class (a dict of masks only by those with sliding layers)
     ranged = {} if rows is not None or model.config._attn_implementation != "sqlrl_ranged_sdpa" else \
         {"row_ranges": row_ranges(lens, C)}
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                                 use_cache=True, **ranged).last_hidden_state  # (A, C, H)
+    with sdpa_kernel(SDPA_BACKENDS):
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                     use_cache=True, **ranged).last_hidden_state  # (A, C, H)
     for r, k in zip(index.tolist(), n):
         cache.lens[r] += k
     if not logits:
@@ -436,8 +438,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             # --- append the sampled token; decide per row: keep decoding, end the turn, or hit a limit
             ended = []
             for i, r in live:
-                row, token = rows[r], tokens[i]
-                traj = row.traj
+                row, token, traj = rows[r], tokens[i], rows[r].traj
                 _append(traj, [token], traj.num_turns, loss=1, logprobs=[token_logp[i]])
                 if token in bits.eos_ids or hits_stop(tokenizer, bits, traj.token_ids, row.turn_start):
                     ended.append(r)
@@ -454,8 +455,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             jobs = [(rows[r].traj.example["db_path"], sql) for r, sql in zip(ended, sqls) if sql is not None]
             results = iter(env.run_many(jobs, workers=sql_workers) if jobs else [])
             for r, text, sql in zip(ended, texts, sqls):
-                row = rows[r]
-                traj = row.traj
+                row, traj = rows[r], rows[r].traj
                 turn, last = traj.num_turns, traj.token_ids[-1]
                 observation, done = env.step(traj.episode, text, next(results) if sql is not None else None)
                 traj.num_turns += 1

@@ -70,9 +70,10 @@ def run(tiny, examples, scripts, protocol="trust", group_size=1, **kw):
 def replay_logprobs(model, traj, temperature):
     """Teacher-forced log-prob of every token given its prefix (at the sampling temperature), from one plain forward
     over the final ids."""
-    ids = torch.tensor([traj.token_ids])
+    ids = torch.tensor([traj.token_ids], device=model.device)
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float() / temperature, dim=-1)[0]  # (T, V)
+        logp = torch.log_softmax(model(ids).logits.float() / temperature, dim=-1)[0].cpu()  # (T, V)
+    ids = ids.cpu()
     out = torch.zeros(len(traj.token_ids))
     out[1:] = logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
     return out

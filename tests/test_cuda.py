@@ -1,0 +1,82 @@
+"""GPU-only: rollout and the GRPO step on CUDA agree with the CPU, where the rest of the suite pins them down.
+Skipped without a CUDA device; on a GPU machine: python -m pytest tests/test_cuda.py
+"""
+import copy
+
+import pytest
+import torch
+
+import env
+from grpo import GRPOConfig, grpo_step
+from model import load_model
+from test_rollout import replay_logprobs, run, trust_answer, trust_call
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: checks rollout and GRPO "
+                                "on the GPU against the CPU")
+
+
+@pytest.fixture(scope="module")
+def cpu_and_cuda():
+    """The tiny fixture in fp32 on the CPU and the same weights on the GPU (TF32 off: fp32 means fp32 there too)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, tokenizer = load_model("tiny")
+    return (model, tokenizer), (copy.deepcopy(model).to("cuda"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def examples(gym_dir):
+    return env.load_examples(gym_dir / "dev.jsonl")
+
+
+def test_greedy_rollout_on_cuda_equals_the_cpu_and_each_row_alone(cpu_and_cuda, examples):
+    # 6 questions, ragged tool results; rows 0 and 3 answer in turn 1 and leave the batch (the cache is compacted)
+    cpu, cuda = cpu_and_cuda
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r % 4 + 1}")] +
+               ([trust_answer("SELECT 1")] if r % 3 == 0 else []) for r in range(6)}
+    on_cpu, on_cuda = run(cpu, examples[:6], scripts), run(cuda, examples[:6], scripts)
+    for r in range(6):
+        assert on_cuda[r].token_ids == on_cpu[r].token_ids, f"row {r}: CUDA decodes other tokens than the CPU"
+        assert on_cuda[r].stop_reason == on_cpu[r].stop_reason
+        alone = run(cuda, examples[r:r + 1], {0: scripts[r]})[0]
+        assert alone.token_ids == on_cuda[r].token_ids, f"row {r} differs when decoded alone on CUDA"
+
+
+def test_sampled_cuda_logprobs_match_a_cpu_replay(cpu_and_cuda, examples):
+    cpu, cuda = cpu_and_cuda
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r + 1}"), 12 + 4 * r] for r in range(4)}
+    trajs = run(cuda, examples[:2], scripts, group_size=2, temperature=0.8, top_p=0.9, seed=123)
+    for traj in trajs:
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        assert mask.sum() > 10
+        assert torch.allclose(replay_logprobs(cpu[0], traj, 0.8)[mask], torch.tensor(traj.sample_logprobs)[mask],
+                              atol=1e-4, rtol=0)
+
+
+def test_bf16_autocast_rollout_on_cuda_keeps_a_bf16_cache_and_replays_closely(cpu_and_cuda, examples):
+    cpu, cuda = cpu_and_cuda
+    scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 8] for r in range(2)}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        trajs = run(cuda, examples[:1], scripts, group_size=2, temperature=1.0, max_turns=2)
+    for traj in trajs:
+        assert traj.num_turns == 2 and traj.num_tool_calls == 1
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        replay = replay_logprobs(cpu[0], traj, 1.0)[mask]  # fp32 on the CPU
+        assert torch.allclose(replay, torch.tensor(traj.sample_logprobs)[mask], atol=5e-2, rtol=0)  # bf16 noise
+
+
+def test_grpo_step_with_gradient_checkpointing_on_cuda_updates_as_the_cpu_does(cpu_and_cuda, examples):
+    """train.py turns on gradient checkpointing for CUDA: it must recompute, not change, the update."""
+    cpu, cuda = cpu_and_cuda
+    scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 10] for r in range(4)}
+    trajs = run(cpu, examples[:1], scripts, group_size=4, temperature=1.0, max_turns=2, seed=7)
+    rewards = [{"full": 1.0, "schema": 0.0}] + [{"full": 0.0, "schema": 0.0}] * 3
+    cfg = GRPOConfig(group_size=4, schema_lambda=0.0, grad_clip=1e9, pad_id=cpu[1].pad_token_id)
+    models = [copy.deepcopy(cpu[0]), copy.deepcopy(cuda[0])]
+    models[1].gradient_checkpointing_enable()
+    metrics = [grpo_step(m, torch.optim.SGD(m.parameters(), lr=0.05), trajs, rewards, cfg) for m in models]
+    assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], abs=1e-5)
+    moved = [max((a - b).abs().max().item() for a, b in zip(m.parameters(), cpu[0].parameters()))
+             for m in (models[0], models[1].cpu())]
+    assert moved[0] > 1e-3  # the step did change the weights
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
