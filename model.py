@@ -256,7 +256,7 @@ def distribute(model, fsdp, world, device, bf16=False):
     Returns wrap(module): DDP around a module under plain data parallelism, else the module itself."""
     cuda = str(device).startswith("cuda")
     if cuda:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()  # transformers 5 renamed gradient_checkpointing_enable
         model.config.use_cache = False
     if fsdp and world > 1:
         shard(model, bf16_on_gpu=cuda and bf16)

@@ -72,7 +72,7 @@ def test_grpo_step_with_gradient_checkpointing_on_cuda_updates_as_the_cpu_does(c
     rewards = [{"full": 1.0, "schema": 0.0}] + [{"full": 0.0, "schema": 0.0}] * 3
     cfg = GRPOConfig(group_size=4, schema_lambda=0.0, grad_clip=1e9, pad_id=cpu[1].pad_token_id)
     models = [copy.deepcopy(cpu[0]), copy.deepcopy(cuda[0])]
-    models[1].gradient_checkpointing_enable()
+    models[1].activation_checkpointing_enable()
     metrics = [grpo_step(m, torch.optim.SGD(m.parameters(), lr=0.05), trajs, rewards, cfg) for m in models]
     assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], abs=1e-5)
     moved = [max((a - b).abs().max().item() for a, b in zip(m.parameters(), cpu[0].parameters()))
