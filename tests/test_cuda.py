@@ -9,7 +9,7 @@ import torch
 import env
 from grpo import GRPOConfig, grpo_step
 from model import load_model
-from test_rollout import replay_logprobs, run, trust_answer, trust_call
+from test_rollout import check_bf16_autocast_rollout, replay_logprobs, run, trust_answer, trust_call
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: checks rollout and GRPO "
                                 "on the GPU against the CPU")
@@ -54,14 +54,7 @@ def test_sampled_cuda_logprobs_match_a_cpu_replay(cpu_and_cuda, examples):
 
 def test_bf16_autocast_rollout_on_cuda_keeps_a_bf16_cache_and_replays_closely(cpu_and_cuda, examples):
     cpu, cuda = cpu_and_cuda
-    scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 8] for r in range(2)}
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        trajs = run(cuda, examples[:1], scripts, group_size=2, temperature=1.0, max_turns=2)
-    for traj in trajs:
-        assert traj.num_turns == 2 and traj.num_tool_calls == 1
-        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
-        replay = replay_logprobs(cpu[0], traj, 1.0)[mask]  # fp32 on the CPU
-        assert torch.allclose(replay, torch.tensor(traj.sample_logprobs)[mask], atol=5e-2, rtol=0)  # bf16 noise
+    check_bf16_autocast_rollout(cuda, examples, cpu[0], atol=5e-2)  # bf16 on CUDA against an fp32 replay on the CPU
 
 
 def test_grpo_step_with_gradient_checkpointing_on_cuda_updates_as_the_cpu_does(cpu_and_cuda, examples):

@@ -342,16 +342,21 @@ def test_malformed_tool_call_leaves_other_rows_alone(tiny, examples, bad):
 # mixed precision, as train.py runs it
 
 
-def test_rollout_under_autocast_keeps_a_bf16_cache_and_replays_closely(tiny, examples):
-    model, _ = tiny
+def check_bf16_autocast_rollout(pair, examples, replay_model, atol):
+    """A rollout under bf16 autocast on pair's device (also run by tests/test_cuda.py) plays its 2 turns, and its
+    recorded log-probs stay within bf16 noise (atol) of replay_model's."""
     scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 8] for r in range(2)}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        trajs = run(tiny, examples[:1], scripts, group_size=2, temperature=1.0, max_turns=2)
+    with torch.autocast(pair[0].device.type, dtype=torch.bfloat16):
+        trajs = run(pair, examples[:1], scripts, group_size=2, temperature=1.0, max_turns=2)
         for traj in trajs:
             assert traj.num_turns == 2 and traj.num_tool_calls == 1
             mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
-            replay = replay_logprobs(model, traj, 1.0)[mask]
-            assert torch.allclose(replay, torch.tensor(traj.sample_logprobs)[mask], atol=2e-2, rtol=0)  # bf16 noise
+            replay = replay_logprobs(replay_model, traj, 1.0)[mask]
+            assert torch.allclose(replay, torch.tensor(traj.sample_logprobs)[mask], atol=atol, rtol=0)
+
+
+def test_rollout_under_autocast_keeps_a_bf16_cache_and_replays_closely(tiny, examples):
+    check_bf16_autocast_rollout(tiny, examples, tiny[0], atol=2e-2)  # replayed under the same autocast
 
 # -----------------------------------------------------------------------------
 # rollout -> grpo_step: the update reads rollout's tokens, masks and log-probs the way they were produced
