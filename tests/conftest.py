@@ -20,3 +20,10 @@ def spider_dir():
 def gym_dir():
     from data.gym.prepare import ensure_gym
     return ensure_gym()
+
+
+@pytest.fixture(scope="module")
+def examples(gym_dir):
+    """The gym's dev questions (module scope: a test may edit its copy)."""
+    import env
+    return env.load_examples(gym_dir / "dev.jsonl")

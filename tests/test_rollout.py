@@ -31,11 +31,6 @@ def tiny():
     return load_model("tiny")
 
 
-@pytest.fixture(scope="module")
-def examples(gym_dir):
-    return env.load_examples(gym_dir / "dev.jsonl")
-
-
 def trust_call(sql, db_id="db"):
     call = json.dumps({"name": "execute_sql_query", "arguments": {"db_id": db_id, "sql": sql}})
     return f"<think>I run a query.</think>\n<action>generate_sql</action>\n<tool_call>\n{call}\n</tool_call>"
@@ -70,10 +65,9 @@ def run(tiny, examples, scripts, protocol="trust", group_size=1, **kw):
 def replay_logprobs(model, traj, temperature):
     """Teacher-forced log-prob of every token given its prefix (at the sampling temperature), from one plain forward
     over the final ids."""
-    ids = torch.tensor([traj.token_ids], device=model.device)
+    ids = torch.tensor([traj.token_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float() / temperature, dim=-1)[0].cpu()  # (T, V)
-    ids = ids.cpu()
+        logp = torch.log_softmax(model(ids.to(model.device)).logits.float() / temperature, dim=-1)[0].cpu()  # (T, V)
     out = torch.zeros(len(traj.token_ids))
     out[1:] = logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
     return out

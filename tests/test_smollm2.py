@@ -19,11 +19,6 @@ def smol():
     return load_model("smollm2")  # fp32: the replay tolerance below is for fp32 numerics
 
 
-@pytest.fixture(scope="module")
-def examples(gym_dir):
-    return env.load_examples(gym_dir / "dev.jsonl")
-
-
 def forced(tokenizer, scripts):
     """force hook: scripts[row][turn] is a text the row emits, or an int k: the model samples k tokens, then eos."""
     enc = {r: [t if isinstance(t, int) else tokenizer.encode(t, add_special_tokens=False) for t in turns]
