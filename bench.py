@@ -4,7 +4,7 @@ Benchmarks. Each prints figures measured in this run; targets are printed beside
     python bench.py env                   # sandbox throughput and runaway-query return times
     python bench.py grpo                  # tokens/s of one GRPO step (tiny model)
     python bench.py rollout               # KV-cached multi-turn rollout vs the naive re-prefill loop and HF generate
-    python bench.py grpo --device cuda    # Qwen3-0.6B-shaped GRPO step in bf16 and its MFU
+    python bench.py grpo --device cuda    # Qwen3-0.6B-shaped GRPO step in bf16, eager and compiled, and its MFU
     python bench.py rollout --device cuda # Qwen3-4B-shaped rollout at batch 64 and the HBM bound of one decode step
 """
 import sys
@@ -23,7 +23,7 @@ def bench_grpo(args):
     import torch
 
     from grpo import GRPOConfig, grpo_step
-    from model import SHAPES, build_random, load_model
+    from model import SHAPES, build_random, compile_layers, load_model
 
     def batch(vocab, rows, seq_len, gen):
         # a quarter prompt, then 3 turns: sampled tokens (mask 1) followed by an observation (mask 0)
@@ -63,7 +63,20 @@ def bench_grpo(args):
     model = build_random(shape, dtype=torch.bfloat16, device="cuda")
     trajs, rewards = batch(SHAPES[shape]["vocab_size"], rows, seq_len, gen)
     cfg = GRPOConfig(group_size=G, schema_lambda=0.25, micro_batch_size=8)
-    dt, m = run(model, cfg, trajs, rewards, steps=3, sync=torch.cuda.synchronize)
+    for compiled in (False, True):  # eager, then train.py --compile (run's warm-up step pays the compiling)
+        if compiled:
+            compile_layers(model)
+        t0 = time.perf_counter()
+        dt, m = run(model, cfg, trajs, rewards, steps=3, sync=torch.cuda.synchronize)
+        report_mfu(model, shape, rows, seq_len, dt, m, "--compile" if compiled else "eager",
+                   time.perf_counter() - t0 - 3 * dt)
+
+
+def report_mfu(model, shape, rows, seq_len, dt, m, label, first_s):
+    """Print one GRPO step's throughput and model FLOPs utilisation on this GPU."""
+    import torch
+
+    from model import SHAPES
     # model FLOPs of one step: 6 per parameter per token for the body, the LM head only on sampled positions
     # (grpo.token_logprobs skips the rest), causal attention 6·L·(heads·head_dim)·T per token; no recompute
     s = SHAPES[shape]
@@ -75,8 +88,9 @@ def bench_grpo(args):
     peak = next((v for k, v in {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}.items()
                  if k in name), None)  # dense bf16 tensor-core peak of the SXM parts
     mfu = f"{flops / dt / peak:.1%}" if peak else "n/a (unknown peak for this GPU)"
-    print(f"grpo {shape}/{name} bf16: {rows} x {seq_len} tokens in {dt * 1e3:.0f} ms/step: "
-          f"{rows * seq_len / dt:,.0f} tokens/s, {flops / dt / 1e12:.0f} TFLOP/s, MFU {mfu} (target >= 35%)")
+    print(f"grpo {shape}/{name} bf16, {label}: {rows} x {seq_len} tokens in {dt * 1e3:.0f} ms/step "
+          f"(first step {first_s:.0f} s): {rows * seq_len / dt:,.0f} tokens/s, {flops / dt / 1e12:.0f} TFLOP/s, "
+          f"MFU {mfu} (target >= 35%)")
 
 
 def bench_env(args):

@@ -250,14 +250,25 @@ def shard(model, bf16_on_gpu=False):
     return model
 
 
-def distribute(model, fsdp, world, device, bf16=False):
+def compile_layers(model, backend="inductor"):
+    """torch.compile each decoder layer in place. On an H100 the layers' elementwise ops (fp32 RMSNorm, rotary,
+    SwiGLU, casts) took 70 % of a Qwen3-0.6B GRPO step's kernel time, matmuls 18 %; fused, train.py's step ran 2.5x
+    faster. In place, so state_dict keys, checkpoints, DDP and FSDP2 see the same modules; one layer's code serves
+    all of them."""
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+
+
+def distribute(model, fsdp, world, device, bf16=False, compile=False):
     """Place the model for training on `world` ranks: FSDP2 (shard), or the same starting weights on every rank
-    (DDP would broadcast them too, but RL uses the bare model). Gradient checkpointing on GPU.
+    (DDP would broadcast them too, but RL uses the bare model). Gradient checkpointing on GPU; compile: per layer.
     Returns wrap(module): DDP around a module under plain data parallelism, else the module itself."""
     cuda = str(device).startswith("cuda")
     if cuda:
         model.activation_checkpointing_enable()  # transformers 5 renamed gradient_checkpointing_enable
         model.config.use_cache = False
+    if compile:  # inside the checkpoint wrapper each layer's __call__ adds, before sharding (torchtitan's order)
+        compile_layers(model)
     if fsdp and world > 1:
         shard(model, bf16_on_gpu=cuda and bf16)
     elif world > 1:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo import GRPOConfig, grpo_step
-from model import load_model
+from model import compile_layers, load_model
 from test_rollout import check_bf16_autocast_rollout, replay_logprobs, run, trust_answer, trust_call
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: checks rollout and GRPO "
@@ -51,8 +51,10 @@ def test_bf16_autocast_rollout_on_cuda_keeps_a_bf16_cache_and_replays_closely(cp
     check_bf16_autocast_rollout(cuda, examples, cpu[0], atol=5e-2)  # bf16 on CUDA against an fp32 replay on the CPU
 
 
-def test_grpo_step_with_gradient_checkpointing_on_cuda_updates_as_the_cpu_does(cpu_and_cuda, examples):
-    """train.py turns on gradient checkpointing for CUDA: it must recompute, not change, the update."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_grpo_step_with_gradient_checkpointing_on_cuda_updates_as_the_cpu_does(cpu_and_cuda, examples, compiled):
+    """train.py turns on gradient checkpointing for CUDA (and --compile compiles each layer with inductor): they must
+    recompute and fuse, not change, the update."""
     cpu, cuda = cpu_and_cuda
     scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 10] for r in range(4)}
     trajs = run(cpu, examples[:1], scripts, group_size=4, temperature=1.0, max_turns=2, seed=7)
@@ -60,6 +62,8 @@ def test_grpo_step_with_gradient_checkpointing_on_cuda_updates_as_the_cpu_does(c
     cfg = GRPOConfig(group_size=4, schema_lambda=0.0, grad_clip=1e9, pad_id=cpu[1].pad_token_id)
     models = [copy.deepcopy(cpu[0]), copy.deepcopy(cuda[0])]
     models[1].activation_checkpointing_enable()
+    if compiled:
+        compile_layers(models[1])
     metrics = [grpo_step(m, torch.optim.SGD(m.parameters(), lr=0.05), trajs, rewards, cfg) for m in models]
     assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], abs=1e-5)
     moved = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), cpu[0].parameters()))
