@@ -489,8 +489,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     def record_eval(tag):
         if tag in state["evals"]:
             return
-        state["evals"][tag] = timed("eval", evaluate_ex, policy(), tokenizer, evalsets, args, rank, world)  # no grad
-        e = state["evals"][tag]
+        # no torch.no_grad() needed: evaluate_ex only decodes, and rollout decodes in inference mode
+        e = state["evals"][tag] = timed("eval", evaluate_ex, policy(), tokenizer, evalsets, args, rank, world)
         log.log({"stage": "eval", "after": tag, "step": state["step"], "gstep": state["gstep"],
                  **{f"{name}_ex": e[name]["ex"] for name in e}})
         if master:
