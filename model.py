@@ -267,7 +267,7 @@ def distribute(model, fsdp, world, device, bf16=False, compile=False):
     if cuda:
         model.activation_checkpointing_enable()  # transformers 5 renamed gradient_checkpointing_enable
         model.config.use_cache = False
-    if compile:  # inside the checkpoint wrapper each layer's __call__ adds, before sharding (torchtitan's order)
+    if compile:  # after checkpointing (its wrapper calls the compiled layer), before sharding: torchtitan's order
         compile_layers(model)
     if fsdp and world > 1:
         shard(model, bf16_on_gpu=cuda and bf16)

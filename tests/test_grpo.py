@@ -14,6 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, policy_loss, schema_track_mask,
                   token_logprobs)
+from model import compile_layers
 
 A = 0.5 / (math.sqrt(0.5) + 1e-6)  # advantage of each member of a 2-group whose rewards differ by 1
 
@@ -392,7 +393,6 @@ def test_compiled_checkpointed_layers_update_as_eager_ones():
     # train.py --compile: each decoder layer compiled in place, under the gradient checkpointing GPUs run. The aot_eager
     # backend traces forward and backward graphs as inductor does, without generating kernels (test_cuda runs
     # inductor); micro-batches of other lengths make dynamo recompile for dynamic shapes
-    from model import compile_layers
     torch._dynamo.reset()
     eager, compiled = _tiny_model(), _tiny_model()
     compiled.activation_checkpointing_enable()
