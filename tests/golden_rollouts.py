@@ -2,7 +2,7 @@
 Qwen2, Qwen3 and Mistral models and on SmolLM2, in fp32 on the CPU. tests/golden/*.json hold the token ids that the
 engine before the static decode step produced; tests/test_engine.py checks every engine path against them.
 
-    python tests/golden_rollouts.py     # (re)write tests/golden/*.json with the current engine
+    python tests/golden_rollouts.py [FAMILY ...]   # (re)write tests/golden/*.json with the current engine
 """
 import json
 import sys
@@ -18,6 +18,7 @@ from model import load_model  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "smollm2"]
+ROWS = {"smollm2": (3, 2)}  # (rows, rows decoded at once); the real model is costlier, so it gets fewer rows
 
 
 def family_model(name, tokenizer):
@@ -66,12 +67,13 @@ def force_from(tokenizer, scripts):
     return force
 
 
-def golden_rollout(model, tokenizer, examples, **kw):
-    """6 rows, 4 decoded at once: the scenario under continuous batching, greedy."""
-    batch = examples[:6]
+def golden_rollout(model, tokenizer, examples, family, **kw):
+    """The scenario under continuous batching, greedy: 6 rows, 4 decoded at once (SmolLM2: 3 and 2)."""
+    rows, max_rows = ROWS.get(family, (6, 4))
+    batch = examples[:rows]
     return rollout.rollout(model, tokenizer, batch, "trust", group_size=1, max_turns=4, max_new_tokens=96,
                            max_total_tokens=4096, temperature=0.0, top_p=1.0, schema_mode="none", seed=0,
-                           max_rows=4, force=force_from(tokenizer, scenario(batch)), **kw)
+                           max_rows=max_rows, force=force_from(tokenizer, scenario(batch)), **kw)
 
 
 def greedy_margins(model, traj):
@@ -90,9 +92,9 @@ def record():
     examples = env.load_examples(ensure_gym() / "dev.jsonl")
     _, tokenizer = load_model("tiny")
     GOLDEN.mkdir(exist_ok=True)
-    for name in FAMILIES:
+    for name in sys.argv[1:] or FAMILIES:
         model = family_model(name, tokenizer)
-        trajs = golden_rollout(model, tokenizer, examples)
+        trajs = golden_rollout(model, tokenizer, examples, name)
         margin = min(min(greedy_margins(model, t)) for t in trajs)
         out = {"family": name, "min_greedy_margin": margin,
                "rows": [{"token_ids": t.token_ids, "stop_reason": t.stop_reason} for t in trajs]}
