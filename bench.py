@@ -4,8 +4,9 @@ Benchmarks. Each prints figures measured in this run; targets are printed beside
     python bench.py env                   # sandbox throughput and runaway-query return times
     python bench.py grpo                  # tokens/s of one GRPO step (tiny model)
     python bench.py rollout               # KV-cached multi-turn rollout vs the naive re-prefill loop and HF generate
+    python bench.py capture               # CPU proxy: the decode step compiles once per bucket, never recompiles
     python bench.py grpo --device cuda    # Qwen3-0.6B-shaped GRPO step in bf16, eager and compiled, and its MFU
-    python bench.py rollout --device cuda # Qwen3-4B-shaped rollout at batch 64 and the HBM bound of one decode step
+    python bench.py rollout --device cuda # Qwen3-0.6B and -4B shapes at 64 rows, CUDA graphs, the HBM bound
 """
 import sys
 from pathlib import Path
@@ -160,151 +161,286 @@ def bench_env(args):
     print(f"env queries/s: {statistics.median(rates):.0f}")
 
 
+# -----------------------------------------------------------------------------
+# Rollout: the engine against the naive loop and HF generate, on identical scripted work
+
+TURNS = 5
+
+
+def scripted_turns(tokenizer, example, turn_len):
+    """Token ids of each scripted turn, each exactly turn_len long: <think> filler, then the action (tool calls whose
+    observations are tens of rows, then confirm_answer)."""
+    import json
+
+    import env
+    table = env.run_sql(example["db_path"], "SELECT name FROM sqlite_master WHERE type = 'table'").rows[0][0]
+    sqls = ["SELECT name FROM sqlite_master WHERE type = 'table'", f'SELECT * FROM "{table}" LIMIT 10',
+            example["gold_sql"], f'SELECT * FROM "{table}" LIMIT 20']
+    out = []
+    for t in range(TURNS):
+        if t < TURNS - 1:
+            call = json.dumps({"name": "execute_sql_query", "arguments": {"db_id": example["db_id"], "sql": sqls[t]}})
+            action = "explore_schema" if t < 2 else "generate_sql"
+            body = f"<tool_call>\n{call}\n</tool_call>"
+        else:
+            action = "confirm_answer"
+            body = f"<answer>\n{example['gold_sql']}\n</answer>"
+        head = tokenizer.encode("<think>", add_special_tokens=False)
+        tail = tokenizer.encode(f"</think>\n<action>{action}</action>\n{body}", add_special_tokens=False)
+        if len(head) + len(tail) > turn_len:
+            raise ValueError(f"turn_len {turn_len} is shorter than the scripted action ({len(head) + len(tail)})")
+        filler = tokenizer.encode(" ok", add_special_tokens=False)[:1] * (turn_len - len(head) - len(tail))
+        out.append(head + filler + tail)
+    return out
+
+
+def script_force(scripts, free_turn=None):
+    """rollout's force hook: row r emits scripts[r][turn] token by token; in free_turn the model decides."""
+    def force(row, turn, sampled):
+        if turn == free_turn or len(sampled) >= len(scripts[row][turn]):
+            return None
+        return scripts[row][turn][len(sampled)]
+    return force
+
+
+def run_engine(model, tokenizer, batch, scripts, turn_len, group_size, limit, seed=0, decode="auto", free_turn=None):
+    """rollout.py on the scripted work; returns its trajectories."""
+    import env
+    from rollout import rollout
+    trajs = rollout(model, tokenizer, batch[::group_size], env.PROTOCOLS["trust"], group_size=group_size,
+                    max_turns=TURNS, max_new_tokens=turn_len, max_total_tokens=limit, temperature=0.0, top_p=1.0,
+                    schema_mode="none", seed=seed, force=script_force(scripts, free_turn), decode=decode)
+    bad = [t.stop_reason for t, s in zip(trajs, scripts) if t.stop_reason != "answer" or t.num_turns != len(s)]
+    if bad and free_turn is None:
+        print(f"  warning: {len(bad)} rows did not run the full script ({bad[:3]})")
+    return trajs
+
+
+def run_naive(model, tokenizer, batch, scripts, turn_len):
+    """The loop a student writes: every turn re-render the whole conversation and call model.generate on it."""
+    import env
+    proto = env.PROTOCOLS["trust"]
+    chats = [proto.build_messages(example, "none", TURNS) for example in batch]
+    episodes = [env.new_episode(example, proto.name, TURNS, "none") for example in batch]
+    generated = 0
+    for t in range(TURNS):
+        texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        out = model.generate(**enc.to(model.device), max_new_tokens=turn_len, min_new_tokens=turn_len,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        generated += out[:, enc["input_ids"].shape[1]:].numel()
+        for chat, episode, turn_ids in zip(chats, episodes, [s[t] for s in scripts]):
+            text = tokenizer.decode(turn_ids)  # the scripted turn stands in for the untrained model's text
+            observation, done = env.step(episode, text)
+            chat.append({"role": "assistant", "content": text})
+            if not done:
+                chat.append({"role": proto.obs_role, "content": observation})
+    return generated
+
+
+def run_one_turn(model, tokenizer, batch, turn_len):
+    """HF generate producing as many tokens in one uninterrupted turn: no tools, one prefill."""
+    import env
+    proto = env.PROTOCOLS["trust"]
+    chats = [proto.build_messages(example, "none", TURNS) for example in batch]
+    texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    out = model.generate(**enc.to(model.device), max_new_tokens=TURNS * turn_len, min_new_tokens=TURNS * turn_len,
+                         do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return out[:, enc["input_ids"].shape[1]:].numel()
+
+
+def compare(label, model, tokenizer, examples, rows, group_size, turn_len, limit, goals, sync):
+    """tokens/s of rollout.py, the naive loop and one-turn HF generate, one run each; returns the two speedups."""
+    import time
+
+    from torch.nn.attention import sdpa_kernel
+
+    from engine import SDPA_BACKENDS
+    batch = [examples[i // group_size] for i in range(rows)]  # group-major, like rollout's rows
+    scripts = [scripted_turns(tokenizer, example, turn_len) for example in batch]
+    print(f"{label}: {rows // group_size} prompts x {group_size} samples, {TURNS} turns x {turn_len} tokens")
+    sides = {
+        "kv-cached rollout": lambda: sum(sum(t.loss_mask) for t in run_engine(model, tokenizer, batch, scripts,
+                                                                                turn_len, group_size, limit)),
+        "naive re-prefill": lambda: run_naive(model, tokenizer, batch, scripts, turn_len),
+        "HF generate 1 turn": lambda: run_one_turn(model, tokenizer, batch, turn_len),
+    }
+    rates = []
+    for name, side in sides.items():
+        sync()
+        t0 = time.perf_counter()
+        with sdpa_kernel(SDPA_BACKENDS):  # every contender gets the engine's prefill kernels
+            tokens = side()
+        sync()
+        dt = time.perf_counter() - t0
+        rates.append(tokens / dt)
+        print(f"  {name:18s} {tokens} sampled tokens in {dt:6.2f}s = {tokens / dt:9,.0f} tokens/s")
+    print(f"  speedup vs re-prefill {rates[0] / rates[1]:.2f}x (goal >= {goals[0]}x); vs HF generate of one "
+          f"{TURNS * turn_len}-token turn {rates[0] / rates[2]:.2f}x (goal >= {goals[1]}x)")
+    return rates[0] / rates[2], rates[0] / rates[1]
+
+
+def decode_bound(model, rows, ctx, steps):
+    """Time one captured decode step with ctx tokens cached per row against reading weights + KV once at the GPU's
+    HBM bandwidth (the SXM parts' data sheets); also the seconds capturing every bucket took."""
+    import time
+
+    import torch
+
+    import engine
+    cfg = model.config
+    param = next(model.parameters())
+    with torch.inference_mode(), engine.use_slot_attention(model):
+        cache = engine.SlotCache(model, rows, param.device, param.dtype, ctx + steps + 3)
+        for _ in range(0, ctx, 512):
+            engine.forward_chunks(model, cache, [[7] * 512] * rows, 0)
+        decoder = engine.make_decoder(model, cache, "graphs")
+        gen = torch.Generator(device=param.device).manual_seed(0)
+        for i in range(steps + 3):  # 3 warm-up steps
+            if i == 3:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            logits = engine.decode(model, cache, decoder, [7] * rows, 0)
+            engine.sample(logits, 1.0, 1.0, gen)[0].tolist()
+        torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = (rows * (ctx + steps // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+                * param.element_size())
+    name = torch.cuda.get_device_name()
+    hbm = next((v for k, v in {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}.items() if k in name), 4.8e12)
+    bound_s = (weight_bytes + kv_bytes) / hbm
+    print(f"  decode step ({decoder.kernel} attention), batch {rows}, {ctx} tokens cached: {step_s * 1e3:.2f} ms; "
+          f"HBM bound ({weight_bytes / 1e9:.1f} GB weights + {kv_bytes / 1e9:.1f} GB KV at {hbm / 1e12:.2f} TB/s) "
+          f"{bound_s * 1e3:.2f} ms = {bound_s / step_s:.0%} of the bound (goal >= 50%)")
+    print(f"  capture: {len(decoder.graphs)} CUDA graphs (buckets {decoder.buckets}) in {decoder.capture_s:.1f} s")
+
+
+def graph_token_diff(model, tokenizer, examples, rows, turn_len, limit):
+    """Greedy tokens of the last, free turn (after 4 scripted ones) replayed as CUDA graphs vs the eager step."""
+    batch = [examples[i] for i in range(rows)]
+    scripts = [scripted_turns(tokenizer, example, turn_len) for example in batch]
+    free = TURNS - 1
+    runs = [run_engine(model, tokenizer, batch, scripts, turn_len, 1, limit, decode=d, free_turn=free)
+            for d in ("graphs", "static")]
+    sampled = [[tok for tok, m, t in zip(x.token_ids, x.loss_mask, x.turn_ids) if m and t == free] for x in runs[0]]
+    eager = [[tok for tok, m, t in zip(x.token_ids, x.loss_mask, x.turn_ids) if m and t == free] for x in runs[1]]
+    differ = sum(a != b for g, e in zip(sampled, eager) for a, b in zip(g, e))
+    differ += sum(abs(len(g) - len(e)) for g, e in zip(sampled, eager))
+    print(f"  greedy tokens of a free turn, graph replay vs eager step: {differ} of {sum(map(len, eager))} differ")
+
+
 def bench_rollout(args):
     """KV-cached multi-turn rollout (rollout.py) vs (a) the naive loop a student writes: every turn re-render the
     whole conversation and call model.generate on it (the history is prefilled again each turn), and (b) HF generate
     producing the same number of tokens in one uninterrupted turn (no tools, one prefill: the ceiling for a decoder).
     All get identical work: the trust protocol in unknown-schema mode, 5 turns of exactly `turn_len` tokens from a
-    scripted policy (tool calls whose observations are tens of rows, then confirm_answer), the same observations.
-    CPU: SmolLM2-135M-Instruct in the demo's rollout precision (--dtype auto). --device cuda: a random Qwen3-4B-shaped
-    model at batch 64 in bf16 (SmolLM2's tokenizer), and the fraction of the HBM-bandwidth bound that one decode step
-    reaches."""
-    import json
-    import time
-
+    scripted policy, the same observations. CPU: SmolLM2-135M-Instruct in the demo's rollout precision (--dtype
+    auto). --device cuda: random Qwen3-0.6B- and Qwen3-4B-shaped models at 64 rows in bf16 (SmolLM2's tokenizer),
+    the decode step against the HBM bound, the capture time, and graph replay against the eager step."""
     import torch
-    from torch.nn.attention import sdpa_kernel
-    from transformers import AutoTokenizer
 
     import env
     from data.gym.prepare import ensure_gym
-    from model import TORCH_DTYPES, build_random, load_model, resolve_dtype, smollm2_folder
-    from rollout import SDPA_BACKENDS, SlotCache, forward_chunks, rollout, sample
+    from model import TORCH_DTYPES, build_random, load_model, resolve_dtype, smollm2_tokenizer
 
-    turns, proto = 5, env.PROTOCOLS["trust"]
     examples = env.load_examples(ensure_gym() / "dev.jsonl")
-
-    def script(tokenizer, example, turn_len):
-        """Token ids of each scripted turn, each exactly turn_len long: <think> filler, then the action."""
-        enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        table = env.run_sql(example["db_path"], "SELECT name FROM sqlite_master WHERE type = 'table'").rows[0][0]
-        sqls = ["SELECT name FROM sqlite_master WHERE type = 'table'", f'SELECT * FROM "{table}" LIMIT 10',
-                example["gold_sql"], f'SELECT * FROM "{table}" LIMIT 20']
-        out = []
-        for t in range(turns):
-            if t < turns - 1:
-                call = json.dumps({"name": "execute_sql_query",
-                                   "arguments": {"db_id": example["db_id"], "sql": sqls[t]}})
-                action, body = "explore_schema" if t < 2 else "generate_sql", f"<tool_call>\n{call}\n</tool_call>"
-            else:
-                action, body = "confirm_answer", f"<answer>\n{example['gold_sql']}\n</answer>"
-            head, tail = enc("<think>"), enc(f"</think>\n<action>{action}</action>\n{body}")
-            if len(head) + len(tail) > turn_len:
-                raise ValueError(f"turn_len {turn_len} is shorter than the scripted action ({len(head) + len(tail)})")
-            out.append(head + enc(" ok")[:1] * (turn_len - len(head) - len(tail)) + tail)
-        return out
-
-    def engine(model, tokenizer, batch, scripts, turn_len, group_size):
-        force = lambda row, turn, sampled: (scripts[row][turn][len(sampled)]  # noqa: E731
-                                            if len(sampled) < len(scripts[row][turn]) else None)
-        trajs = rollout(model, tokenizer, batch[::group_size], proto, group_size=group_size, max_turns=turns,
-                        max_new_tokens=turn_len, max_total_tokens=16384, temperature=0.0, top_p=1.0,
-                        schema_mode="none", seed=args.seed, force=force)
-        bad = [t.stop_reason for t in trajs if t.stop_reason != "answer" or t.num_turns != turns]
-        if bad:
-            print(f"  warning: {len(bad)} rows did not run the full script ({bad[:3]})")
-        return sum(sum(t.loss_mask) for t in trajs)
-
-    def naive(model, tokenizer, batch, scripts, turn_len, group_size):
-        chats = [proto.build_messages(example, "none", turns) for example in batch]
-        episodes = [env.new_episode(example, proto.name, turns, "none") for example in batch]
-        generated = 0
-        for t in range(turns):
-            texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-            out = model.generate(**enc.to(model.device), max_new_tokens=turn_len, min_new_tokens=turn_len,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            generated += out[:, enc["input_ids"].shape[1]:].numel()
-            for chat, episode, turn_ids in zip(chats, episodes, [s[t] for s in scripts]):
-                text = tokenizer.decode(turn_ids)  # the scripted turn stands in for the untrained model's text
-                observation, done = env.step(episode, text)
-                chat.append({"role": "assistant", "content": text})
-                if not done:
-                    chat.append({"role": proto.obs_role, "content": observation})
-        return generated
-
-    def one_turn(model, tokenizer, batch, scripts, turn_len, group_size):
-        chats = [proto.build_messages(example, "none", turns) for example in batch]
-        texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        out = model.generate(**enc.to(model.device), max_new_tokens=turns * turn_len,
-                             min_new_tokens=turns * turn_len, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        return out[:, enc["input_ids"].shape[1]:].numel()
-
-    def compare(label, model, tokenizer, rows, group_size, turn_len, goal, sync=lambda: None):
-        """tokens/s of rollout.py over (a) the naive loop and (b) one-turn HF generate, one run each."""
-        batch = [examples[i // group_size] for i in range(rows)]  # group-major, like rollout's rows
-        scripts = [script(tokenizer, example, turn_len) for example in batch]
-        print(f"{label}: {rows // group_size} prompts x {group_size} samples, {turns} turns x {turn_len} tokens")
-        rates = []
-        for name, fn in [("kv-cached rollout", engine), ("naive re-prefill", naive),
-                         ("HF generate 1 turn", one_turn)]:
-            sync()
-            t0 = time.perf_counter()
-            with sdpa_kernel(SDPA_BACKENDS):  # every contender gets rollout.py's attention kernels
-                tokens = fn(model, tokenizer, batch, scripts, turn_len, group_size)
-            sync()
-            dt = time.perf_counter() - t0
-            rates.append(tokens / dt)
-            print(f"  {name:18s} {tokens} sampled tokens in {dt:6.2f}s = {tokens / dt:9,.0f} tokens/s")
-        print(f"  speedup vs re-prefill {rates[0] / rates[1]:.2f}x (goal >= {goal}x); vs HF generate of one "
-              f"{turns * turn_len}-token turn {rates[0] / rates[2]:.2f}x (goal >= 1x)")
-        return rates[0] / rates[1]
-
-    def decode_bound(model, tokenizer, rows, ctx, steps, sync):
-        """Time one decode step with ctx tokens cached per row; compare with reading weights + KV once at the GPU's
-        HBM bandwidth (the SXM parts' data sheets)."""
-        cfg, param = model.config, next(model.parameters())
-        with torch.inference_mode():
-            cache = SlotCache(model, rows, param.device, param.dtype, ctx + steps + 3)
-            for _ in range(0, ctx, 512):
-                forward_chunks(model, cache, [[7] * 512] * rows, tokenizer.pad_token_id, logits=False)
-            gen = torch.Generator(device=param.device).manual_seed(0)
-            for i in range(steps + 3):  # 3 warm-up steps
-                if i == 3:
-                    sync()
-                    t0 = time.perf_counter()
-                logits = forward_chunks(model, cache, [[7]] * rows, tokenizer.pad_token_id)
-                sample(logits, 1.0, 1.0, gen)[0].tolist()
-            sync()
-        step_s = (time.perf_counter() - t0) / steps
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_bytes = (rows * (ctx + steps // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
-                    * param.element_size())
-        name = torch.cuda.get_device_name()
-        hbm = next((v for k, v in {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}.items() if k in name), 4.8e12)
-        bound_s = (weight_bytes + kv_bytes) / hbm
-        print(f"  decode step, batch {rows}, {ctx} tokens cached: {step_s * 1e3:.2f} ms; HBM bound "
-              f"({weight_bytes / 1e9:.1f} GB weights + {kv_bytes / 1e9:.1f} GB KV at {hbm / 1e12:.2f} TB/s) "
-              f"{bound_s * 1e3:.2f} ms = {bound_s / step_s:.0%} of the bound (goal >= 50%)")
-
     torch.manual_seed(args.seed)
     if args.device == "cpu":
         model, tokenizer = load_model("smollm2", seed=args.seed)
         precision = resolve_dtype("auto", "cpu")  # the demo's: rollouts run on a bf16 copy where bf16 is fast
         model = model.to(TORCH_DTYPES[precision])
-        speedup = compare(f"SmolLM2-135M-Instruct / cpu / {precision}", model, tokenizer, 32, 4, 96, goal=3)
+        speedups = compare(f"SmolLM2-135M-Instruct / cpu / {precision}", model, tokenizer, examples, 32, 4, 96,
+                           16384, goals=(3, 1), sync=torch.cpu.synchronize)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
-        model = build_random("Qwen3-4B", dtype=torch.bfloat16, device="cuda")
-        model.set_attn_implementation("sdpa")  # rollout needs per-row masks; the naive loop gets the same kernels
-        speedup = compare("Qwen3-4B shape (random) / cuda / bf16", model, tokenizer, 64, 2, 128, goal=2,
-                          sync=torch.cuda.synchronize)
-        decode_bound(model, tokenizer, 64, 2048, 20, torch.cuda.synchronize)
-    print(f"rollout speedup vs re-prefill: {speedup:.2f}x")
+        tokenizer = smollm2_tokenizer()
+        for shape in ("Qwen3-0.6B", "Qwen3-4B"):
+            model = build_random(shape, dtype=torch.bfloat16, device="cuda")
+            speedups = compare(f"{shape} shape (random) / {torch.cuda.get_device_name()} / bf16", model, tokenizer,
+                               examples, 64, 2, 128, 4096, goals=(3, 2), sync=torch.cuda.synchronize)
+            decode_bound(model, 64, 2048, 20)
+            if shape == "Qwen3-0.6B":
+                graph_token_diff(model, tokenizer, examples, 64, 128, 4096)
+            del model
+            torch.cuda.empty_cache()
+    print(f"rollout speedup vs HF generate: {speedups[0]:.2f}x")
+    print(f"rollout speedup vs re-prefill: {speedups[1]:.2f}x")
+
+# -----------------------------------------------------------------------------
+# Capture: is the decode step static enough for a CUDA graph? (checked on the CPU)
+
+
+def capture_check(model, tokenizer, examples, step, rows=16, turn_len=96):
+    """Run a scripted 5-turn rollout of `rows` rows (prefills in between, rows finishing, compactions) whose decode
+    step is `step` compiled with fullgraph=True, dynamic=False. Each bucket may compile once; after that a
+    recompile fails the check (torch.compiler stance fail_on_recompile), as do logits that differ from the eager
+    step and cache buffers that move. Returns (capturable, the line that says so). Stricter than a CUDA graph needs:
+    it also catches syncs, guards on Python numbers, and state a graph would freeze."""
+    import torch
+    import torch._dynamo
+
+    import engine
+    compiles = []
+
+    def counting_aot_eager(gm, example_inputs):
+        compiles.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counting_aot_eager)
+    seen = set()
+    ptrs = []
+    worst = [0.0]
+    steps = [0]
+
+    def checked_step(model, cache, n):
+        now = [x.data_ptr() for x in cache.k + cache.v]
+        if ptrs and now != ptrs:
+            raise RuntimeError("the cache's buffers moved")
+        ptrs[:] = now
+        stance = "fail_on_recompile" if n in seen else "default"
+        with torch.compiler.set_stance(stance):
+            logits = compiled(model, cache, n)
+        seen.add(n)
+        eager = engine.decode_step(model, cache, n)  # rewrites the same keys
+        worst[0] = max(worst[0], (logits - eager).abs().max().item())
+        steps[0] += 1
+        return logits
+
+    batch = examples[:rows]
+    scripts = [scripted_turns(tokenizer, example, turn_len) for example in batch]
+    for r in range(rows):  # row r answers in turn r % 5: rows finish at different turns and the batch shrinks
+        scripts[r] = scripts[r][:r % TURNS] + scripts[r][-1:]
+    try:
+        with torch._dynamo.config.patch(recompile_limit=64):
+            run_engine(model, tokenizer, batch, scripts, turn_len, 1, 4096, decode=checked_step)
+    except Exception as e:  # noqa: BLE001  any failure is the answer, said on one line
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return False, f"decode step capturable: no ({type(e).__name__}: {reason[:300]})"
+    if worst[0] > 1e-4:
+        return False, f"decode step capturable: no (compiled logits differ from the eager step by {worst[0]:.2e})"
+    recompiles = len(compiles) - len(seen)
+    return recompiles == 0, (f"decode step capturable: {'yes' if recompiles == 0 else 'no'} ({len(compiles)} "
+                             f"compiles for {len(seen)} buckets, {recompiles} recompiles over {steps[0]} steps)")
+
+
+def bench_capture(args):
+    """The CPU proxy for CUDA-graph capture: engine.decode_step compiled whole, static shapes, on the tiny model
+    over a 5-turn rollout of 16 rows."""
+    import engine
+    import env
+    from data.gym.prepare import ensure_gym
+    from model import load_model
+    model, tokenizer = load_model("tiny", seed=args.seed)
+    examples = env.load_examples(ensure_gym() / "dev.jsonl")
+    ok, line = capture_check(model, tokenizer, examples, engine.decode_step)
+    print(line)
+    if not ok:
+        sys.exit(1)
 
 BENCHES = {
+    "capture": bench_capture,
     "env": bench_env,
     "grpo": bench_grpo,
     "rollout": bench_rollout,

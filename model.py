@@ -176,6 +176,15 @@ def smollm2_folder(cache=None, quiet=False):
     return folder
 
 
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer and chat template. Its files alone are enough: a machine with no network (the GPU checks)
+    is given just those, in $SQLRL_CACHE/SmolLM2-135M-Instruct."""
+    folder = cache_dir() / "SmolLM2-135M-Instruct"
+    if not (folder / "tokenizer.json").exists():
+        folder = smollm2_folder()
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def resolve(name_or_path):
     """--model: "smollm2", "tiny", a local folder, or a Hub id. A missing local path is an error here, not a Hub lookup;
     a Hub id that is neither cached nor reachable fails at once (from_pretrained would retry for a minute)."""
@@ -208,7 +217,7 @@ def resolve(name_or_path):
 def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
     """(model, tokenizer) for "smollm2", "tiny" (the test fixture) or any Hugging Face causal LM."""
     if name_or_path == "tiny":
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+        tokenizer = smollm2_tokenizer()
         return build_tiny(tokenizer, seed=seed, device=device, dtype=dtype).eval(), tokenizer
     name_or_path = resolve(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+import engine
 from grpo import GRPOConfig, grpo_step
 from model import compile_layers, load_model
 from test_rollout import check_bf16_autocast_rollout, replay_logprobs, run, trust_answer, trust_call
@@ -70,3 +71,40 @@ def test_grpo_step_with_gradient_checkpointing_on_cuda_updates_as_the_cpu_does(c
     assert moved > 1e-3  # the step did change the weights
     for a, b in zip(models[0].parameters(), models[1].cpu().parameters()):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_graph_replay_decodes_as_the_eager_step_and_the_check_mode_agrees(cpu_and_cuda, examples, monkeypatch):
+    """6 rows, 4 decoded at once (buckets 4, 2, 1 as rows finish): replayed graphs give the eager step's tokens and
+    log-probs; SQLRL_CUDA_GRAPHS=check compares every replay with the eager step and raises on a difference."""
+    _, cuda = cpu_and_cuda
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r % 4 + 1}"), 5 + 3 * r] for r in range(6)}
+    replayed = run(cuda, examples[:6], scripts, max_rows=4, decode="graphs")
+    eager = run(cuda, examples[:6], scripts, max_rows=4, decode="static")
+    monkeypatch.setenv(engine.GRAPHS_ENV, "check")
+    checked = run(cuda, examples[:6], scripts, max_rows=4)
+    for a, b, c in zip(replayed, eager, checked):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_flash_kernel_reads_each_rows_own_keys_as_masked_sdpa_does(head_dim):
+    """PyTorch's own FlashAttention-2 in varlen mode (seqused_k) against SDPA under a mask, in bf16, on rows of
+    different lengths: the decode step's logits agree to bf16 rounding, and so do its greedy picks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, vocab_size=1000)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    assert engine.decode_kernel("cuda", torch.bfloat16, head_dim) in ("varlen", "flash_attn")
+    cache = engine.SlotCache(model, 4, "cuda", torch.bfloat16, 300)
+    chunks = [list(range(1, n)) for n in (40, 200, 7, 120)]
+    with torch.inference_mode(), engine.use_slot_attention(model):
+        engine.prefill(model, cache, dict(enumerate(chunks)), 0)
+        decoder = engine.make_decoder(model, cache, "static")
+        feeds = [c[-1] for c in chunks]
+        engine.decode(model, cache, decoder, feeds, 0)  # fills the step's inputs; the steps below rewrite its keys
+        masked = engine.decode_step(model, cache, 4, "sdpa")
+        fused = engine.decode_step(model, cache, 4, decoder.kernel)
+    assert (fused - masked).abs().max().item() < 5e-2 * masked.abs().max().item()
+    assert torch.equal(fused.argmax(-1), masked.argmax(-1))

@@ -106,30 +106,6 @@ def test_replay_matches_sample_logprobs_and_seed_reproduces(tiny, examples):
     assert [t.token_ids for t in other] != [t.token_ids for t in trajs]
 
 
-def test_sample_greedy_temperature_and_top_p():
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]] * 200)
-    tokens, logp = rollout.sample(logits, 0.0, 1.0, torch.Generator().manual_seed(0))
-    assert (tokens == 0).all() and torch.allclose(logp, torch.log_softmax(logits, -1))
-    tokens, logp = rollout.sample(logits, 0.5, 1.0, torch.Generator().manual_seed(0))
-    assert torch.allclose(logp, torch.log_softmax(logits / 0.5, -1))  # full-vocab tempered log-probs are recorded
-    assert set(tokens.tolist()) >= {0, 1}
-    # at T = 1 the probabilities are .61 .22 .14 .03: the 0.7-nucleus is {0, 1}, so 2 and 3 are never drawn
-    tokens, _ = rollout.sample(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
-    assert set(tokens.tolist()) == {0, 1}
-
-
-def test_draw_matches_the_distribution_and_never_picks_a_zero():
-    """Inverse-CDF sampling: frequencies follow probs (unnormalised rows are fine), zero entries are never drawn."""
-    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 2.0, 0.0, 2.0]]).repeat(20000, 1)  # (40000, 4)
-    tokens = rollout.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
-    freq_a = torch.bincount(tokens[:, 0], minlength=4) / len(tokens)
-    freq_b = torch.bincount(tokens[:, 1], minlength=4) / len(tokens)
-    assert torch.allclose(freq_a, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.015) and freq_a[1] == 0
-    assert torch.allclose(freq_b, torch.tensor([0.0, 0.5, 0.0, 0.5]), atol=0.015) and freq_b[0] == freq_b[2] == 0
-    again = rollout.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
-    assert torch.equal(tokens, again)  # seeded
-
-
 # -----------------------------------------------------------------------------
 # 2. batch invariance
 
@@ -161,60 +137,6 @@ def test_continuous_batching_decodes_each_row_as_the_full_batch_does(tiny, examp
         assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
         assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
 
-
-@pytest.mark.parametrize("start", ["garbage", "no slots"])
-def test_cache_slots_are_zeroed_before_first_read_and_grow_where_memory_is_committed(tiny, examples, monkeypatch,
-                                                                                    start):
-    # garbage: CPU buffers span every slot untouched, so they may hold NaN until reserve() zeroes them; a masked NaN
-    # key or value would still poison its row. no slots: an accelerator's buffers start empty and grow by copies
-    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r % 4 + 1}")] +
-               ([trust_answer("SELECT 1")] if r % 3 == 0 else []) for r in range(8)}
-    clean = run(tiny, examples[:8], scripts)
-    caches, init = [], rollout.SlotCache.__init__
-
-    def dirty_init(self, *args):
-        init(self, *args)
-        if start == "garbage":
-            for x in self.k + self.v:
-                x.fill_(float("nan"))
-        else:
-            self.k, self.v = [x[:, :, :0] for x in self.k], [x[:, :, :0] for x in self.v]
-        caches.append(self)
-    monkeypatch.setattr(rollout.SlotCache, "__init__", dirty_init)
-    dirty = run(tiny, examples[:8], scripts)
-    for a, b in zip(clean, dirty):
-        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
-        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
-    batch_cache, longest = caches[0], max(len(t.token_ids) for t in dirty)  # caches[1]: the shared system prompt
-    assert batch_cache.ready == 1024 * (longest // 1024 + 1)  # zeroed as far as rows reached, not to the limit
-    if start == "no slots":
-        assert batch_cache.k[0].shape[2] == batch_cache.ready  # and grown only that far
-
-
-def test_each_row_range_reads_up_to_its_longest_row(monkeypatch):
-    monkeypatch.setattr(rollout, "RANGE_ROWS", 2)
-    assert rollout.row_ranges([5, 100, 6, 90], 1) == [(0, 2, 101), (2, 4, 91)]
-    assert rollout.row_ranges(sorted([5, 100, 6, 90]), 1) == [(0, 2, 7), (2, 4, 101)]  # sorted: 216 keys, not 384
-
-
-def test_length_ranges_and_sorted_slots_decode_as_one_range_does(tiny, examples, monkeypatch):
-    # rows alternate observations of 1 and 10 CREATE statements, so lengths alternate; with 2 rows per range the
-    # cache gets sorted and each pair of rows reads its own keys only, which must change no token and no log-prob
-    scripts = {r: [trust_call(f"SELECT sql FROM sqlite_master LIMIT {1 + 9 * (r % 2)}"), 3 + 2 * r]
-               for r in range(8)}
-    monkeypatch.setattr(rollout, "RANGE_ROWS", 10 ** 6)  # one range: every row reads the longest row's keys
-    whole = run(tiny, examples[:8], scripts)
-    sorts = []
-    keep = rollout.SlotCache.keep
-    monkeypatch.setattr(rollout.SlotCache, "keep", lambda self, index: sorts.append(len(index)) or keep(self, index))
-    monkeypatch.setattr(rollout, "RANGE_ROWS", 2)
-    monkeypatch.setattr(rollout, "SORT_BELOW", 0.99)
-    ranged = run(tiny, examples[:8], scripts)
-    assert 8 in sorts  # the 8 slots were permuted at least once
-    assert tiny[0].config._attn_implementation == "sdpa"  # the model's own setting is back
-    for a, b in zip(whole, ranged):
-        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
-        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
 
 # -----------------------------------------------------------------------------
 # 3. token-in/token-out

@@ -1,0 +1,190 @@
+"""engine.py on the CPU: every decode path gives the tokens the engine gave before the static step (golden files),
+the static step is capturable (compiled whole, once per bucket, never again), padded rows touch only the scratch
+slot, the cache's memory sizing, length ranges, and sampling."""
+import json
+
+import pytest
+import torch
+
+import bench
+import engine
+from golden_rollouts import FAMILIES, GOLDEN, family_model, golden_rollout
+from test_rollout import replay_logprobs, run, trust_answer, trust_call
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models' ops are too small to split across threads; on a shared 2-core box threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from model import load_model
+    return load_model("tiny")
+
+# -----------------------------------------------------------------------------
+# 1. the same tokens as the engine before the static step
+
+
+@pytest.mark.parametrize("family,decode", [(f, d) for f in FAMILIES if f != "smollm2" for d in ("ranged", "static")]
+                         + [("smollm2", "ranged")])
+def test_greedy_rollout_gives_the_golden_tokens(tiny, examples, family, decode):
+    """tests/golden/*.json were recorded with the engine before the static step (tests/golden_rollouts.py)."""
+    golden = json.loads((GOLDEN / f"{family}.json").read_text())
+    model = family_model(family, tiny[1])
+    trajs = golden_rollout(model, tiny[1], examples, family, decode=decode)
+    assert len(trajs) == len(golden["rows"])
+    for r, (traj, row) in enumerate(zip(trajs, golden["rows"])):
+        assert traj.token_ids == row["token_ids"], f"{family}/{decode}: row {r} decodes other tokens"
+        assert traj.stop_reason == row["stop_reason"]
+
+
+def test_static_step_records_the_logprobs_a_replay_computes(tiny, examples):
+    model, _ = tiny
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r + 1}"), 12 + 4 * r] for r in range(3)}
+    trajs = run(tiny, examples[:3], scripts, temperature=0.8, top_p=0.9, seed=5, decode="static")
+    for traj in trajs:
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        assert mask.sum() > 10
+        assert torch.allclose(replay_logprobs(model, traj, 0.8)[mask], torch.tensor(traj.sample_logprobs)[mask],
+                              atol=1e-4, rtol=0)
+
+# -----------------------------------------------------------------------------
+# 2. capturability: the CPU proxy for a CUDA graph
+
+
+def test_decode_step_compiles_once_per_bucket_and_never_again(tiny, examples):
+    ok, line = bench.capture_check(*tiny, examples, engine.decode_step, rows=8)
+    assert ok, line
+    # 8 rows shrink as rows answer in turns 0..4: more than one bucket of [1, 2, 4, 8] is used
+    k = int(line.split("(")[1].split(" compiles")[0])
+    buckets = int(line.split("for ")[1].split(" buckets")[0])
+    steps = int(line.split("over ")[1].split(" steps")[0])
+    assert k == buckets >= 2 and steps > 100, line
+
+
+def test_a_step_with_a_python_int_key_length_is_not_capturable(tiny, examples):
+    def int_keyed_step(model, cache, rows):  # the engine before: keys read up to the longest row, a Python int
+        longest = max(cache.lens) + 1
+        return engine.decode_step(model, cache, rows, key_ranges=[(0, rows, longest)])
+    ok, line = bench.capture_check(*tiny, examples, int_keyed_step, rows=4)
+    assert not ok and line.startswith("decode step capturable: no (") and "recompile" in line, line
+
+
+def test_padded_rows_write_only_the_scratch_slot(tiny):
+    """3 feeds run at the 4-row bucket: row 3 is padding and must leave every real slot of its row as it was."""
+    model, _ = tiny
+    cache = engine.SlotCache(model, 4, "cpu", torch.float32, 64)
+    with torch.inference_mode(), engine.use_slot_attention(model):
+        engine.forward_chunks(model, cache, [[5, 6, 7]] * 4, 0)
+        decoder = engine.make_decoder(model, cache, "static")
+        cache.keep([0, 1, 2])  # the fourth row leaves: 3 rows in use, decoded at bucket 4
+        before = [x[3].clone() for x in cache.k + cache.v]
+        engine.decode(model, cache, decoder, [8, 9, None], 0)
+    assert cache.lens == [4, 4, 3]  # the idle row (None) holds what it held
+    for x, old in zip(cache.k + cache.v, before):
+        assert torch.equal(x[3, :64], old[:64])  # slots 0..limit-1 untouched; slot 64 is the scratch slot
+        assert not torch.equal(x[3, 64], old[64])
+        assert not torch.equal(x[0, 3], torch.zeros_like(x[0, 3]))  # a live row did write its new key
+
+
+def test_batch_buckets():
+    assert engine.batch_buckets(3) == [1, 2, 3]
+    assert engine.batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert engine.batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
+
+# -----------------------------------------------------------------------------
+# 3. the cache: memory, zeroing, length ranges
+
+
+def test_fewer_rows_decode_at_once_when_less_memory_is_free():
+    gib = 2 ** 30
+    assert engine.rows_that_fit(64, gib, 100 * gib) == 64
+    assert engine.rows_that_fit(64, gib, 40 * gib) == 38  # 40 GiB less the 2 GiB headroom
+    assert engine.rows_that_fit(64, gib, 20 * gib) == 18
+    assert engine.rows_that_fit(64, gib, 2 * gib) == 0
+
+
+def test_cache_slots_are_zeroed_before_first_read(tiny, examples, monkeypatch):
+    # CPU buffers span every slot untouched, so they may hold NaN until reserve() zeroes them; a masked NaN key or
+    # value would still poison its row
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r % 4 + 1}")] +
+               ([trust_answer("SELECT 1")] if r % 3 == 0 else []) for r in range(8)}
+    clean = run(tiny, examples[:8], scripts)
+    caches = []
+    init = engine.SlotCache.__init__
+
+    def dirty_init(self, *args):
+        init(self, *args)
+        for x in self.stores:
+            x.fill_(float("nan"))
+        caches.append(self)
+    monkeypatch.setattr(engine.SlotCache, "__init__", dirty_init)
+    dirty = run(tiny, examples[:8], scripts)
+    for a, b in zip(clean, dirty):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
+    batch_cache = caches[0]  # caches[1]: the shared system prompt
+    longest = max(len(t.token_ids) for t in dirty)
+    assert batch_cache.ready == 1024 * (longest // 1024 + 1)  # zeroed as far as rows reached, not to the limit
+
+
+def test_each_row_range_reads_up_to_its_longest_row(monkeypatch):
+    monkeypatch.setattr(engine, "RANGE_ROWS", 2)
+    assert engine.row_ranges([5, 100, 6, 90], 1) == [(0, 2, 101), (2, 4, 91)]
+    assert engine.row_ranges(sorted([5, 100, 6, 90]), 1) == [(0, 2, 7), (2, 4, 101)]  # sorted: 216 keys, not 384
+
+
+def test_length_ranges_and_sorted_slots_decode_as_one_range_does(tiny, examples, monkeypatch):
+    # rows alternate observations of 1 and 10 CREATE statements, so lengths alternate; with 2 rows per range the
+    # cache gets sorted and each pair of rows reads its own keys only, which must change no token and no log-prob
+    scripts = {r: [trust_call(f"SELECT sql FROM sqlite_master LIMIT {1 + 9 * (r % 2)}"), 3 + 2 * r]
+               for r in range(8)}
+    monkeypatch.setattr(engine, "RANGE_ROWS", 10 ** 6)  # one range: every row reads the longest row's keys
+    whole = run(tiny, examples[:8], scripts)
+    sorts = []
+    keep = engine.SlotCache.keep
+
+    def counted_keep(self, index):
+        sorts.append(len(index))
+        keep(self, index)
+    monkeypatch.setattr(engine.SlotCache, "keep", counted_keep)
+    monkeypatch.setattr(engine, "RANGE_ROWS", 2)
+    monkeypatch.setattr(engine, "SORT_BELOW", 0.99)
+    ranged = run(tiny, examples[:8], scripts)
+    assert 8 in sorts  # the 8 slots were permuted at least once
+    assert tiny[0].config._attn_implementation == "sdpa"  # the model's own setting is back
+    for a, b in zip(whole, ranged):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+        assert torch.allclose(torch.tensor(a.sample_logprobs), torch.tensor(b.sample_logprobs), atol=1e-4, rtol=0)
+
+# -----------------------------------------------------------------------------
+# 4. sampling
+
+
+def test_sample_greedy_temperature_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]] * 200)
+    tokens, logp = engine.sample(logits, 0.0, 1.0, torch.Generator().manual_seed(0))
+    assert (tokens == 0).all() and torch.allclose(logp, torch.log_softmax(logits, -1))
+    tokens, logp = engine.sample(logits, 0.5, 1.0, torch.Generator().manual_seed(0))
+    assert torch.allclose(logp, torch.log_softmax(logits / 0.5, -1))  # full-vocab tempered log-probs are recorded
+    assert set(tokens.tolist()) >= {0, 1}
+    # at T = 1 the probabilities are .61 .22 .14 .03: the 0.7-nucleus is {0, 1}, so 2 and 3 are never drawn
+    tokens, _ = engine.sample(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_draw_matches_the_distribution_and_never_picks_a_zero():
+    """Inverse-CDF sampling: frequencies follow probs (unnormalised rows are fine), zero entries are never drawn."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 2.0, 0.0, 2.0]]).repeat(20000, 1)  # (40000, 4)
+    tokens = engine.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
+    freq_a = torch.bincount(tokens[:, 0], minlength=4) / len(tokens)
+    freq_b = torch.bincount(tokens[:, 1], minlength=4) / len(tokens)
+    assert torch.allclose(freq_a, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.015) and freq_a[1] == 0
+    assert torch.allclose(freq_b, torch.tensor([0.0, 0.5, 0.0, 0.5]), atol=0.015) and freq_b[0] == freq_b[2] == 0
+    again = engine.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
+    assert torch.equal(tokens, again)  # seeded
