@@ -192,7 +192,8 @@ def get_args(argv=None):
     parser = get_parser()
     first, _ = get_parser(add_help=False).parse_known_args(argv)  # --help waits for the presets: it shows them
     parser.set_defaults(**RECIPES[first.recipe])
-    parser.set_defaults(**(DEMO if first.model == "smollm2" else {}))
+    if first.model == "smollm2" and not first.quick:  # --quick is a preset of its own, not a smaller demo
+        parser.set_defaults(**DEMO)
     parser.set_defaults(**trained_settings(first.model))
     if first.quick:
         parser.set_defaults(**QUICK)

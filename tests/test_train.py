@@ -55,6 +55,8 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     assert (skyrl.temperature, skyrl.top_p, skyrl.max_turns, skyrl.stage) == (0.6, 0.95, 5, "rl")
     assert train.get_args(["--recipe", "skyrl", "--group-size", "3"]).group_size == 3  # explicit beats recipe
     assert train.get_args(["--quick", "--sft-steps", "7"]).sft_steps == 7  # explicit beats --quick too
+    quick = train.get_args(["--quick"])  # the default model's demo sizes stay out of a --quick run
+    assert (quick.rl_batch_size, quick.ppo_mini_batch_size, quick.sft_steps) == (2, 0, 2)
 
 
 def test_every_preset_key_is_a_flag():
