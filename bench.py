@@ -101,12 +101,12 @@ def bench_env(args):
     import statistics
     import time
 
+    import cli
     import env
-    from data import sandbox
 
     spider = Path(__file__).resolve().parent.parent / "shared" / "data" / "spider"
     if not (spider / "dev.json").exists():
-        env.die(f"bench env needs the Spider dev set at {spider} (dev.json + database/)")
+        cli.die(f"bench env needs the Spider dev set at {spider} (dev.json + database/)")
     db = lambda db_id: spider / "database" / db_id / f"{db_id}.sqlite"  # noqa: E731
     dev = [d for d in json.loads((spider / "dev.json").read_text()) if db(d["db_id"]).exists()]
     jobs = [(str(db(d["db_id"])), d["query"]) for d in dev]
@@ -127,7 +127,7 @@ def bench_env(args):
                 "3-way cartesian join": "SELECT count(*) FROM city a, city b, city c",
                 "sorted cartesian join": "SELECT a.Name, b.Name FROM city a, city b, city c ORDER BY a.Name || c.Name"}
     worst = 0.0
-    for timeout in (1.0, sandbox.TIMEOUT_S):
+    for timeout in (1.0, env.TIMEOUT_S):
         for name, sql in runaways.items():
             t0 = time.monotonic()
             r = env.run_sql(world, sql, timeout_s=timeout)
@@ -449,7 +449,7 @@ BENCHES = {
 if __name__ == "__main__":
     import torch
 
-    from env import ArgumentParser  # a bad flag is one `error:` line
+    from cli import ArgumentParser  # a bad flag is one `error:` line
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark to run")
     parser.add_argument("--seed", type=int, default=0, help="random init and data")

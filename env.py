@@ -1,8 +1,8 @@
 """
-The agent's whole world: what the agent sees (observations, schema text), the four agent protocols (TRUST-SQL,
-SQL-Trail, MTIR-SQL, SkyRL-SQL) with a small Episode state machine, and the one-line user errors every entry point
-shares. Queries run in the read-only SQLite sandbox of data/sandbox.py (run_sql, run_many and results_match are
-re-exported here). Pure Python + sqlite3, no model involved.
+The SQLite tool environment, the agent's whole world: the read-only sandbox every query of the agent, the teacher,
+the rewards and the scorers goes through, result comparison, what the agent sees (observations, schema text), the
+four agent protocols (TRUST-SQL, SQL-Trail, MTIR-SQL, SkyRL-SQL) and a small Episode state machine. Pure Python +
+sqlite3, no model involved.
 
     python env.py data/gym/dev.jsonl --protocol trail --schema-mode prompt   # print one episode's prompt
 
@@ -10,18 +10,347 @@ re-exported here). Pure Python + sqlite3, no model involved.
     >>> ep = new_episode(example, "trail", max_turns=5)
     >>> obs, done = step(ep, "<reasoning>count them</reasoning><sql>SELECT count(*) FROM singer</sql>")
 """
-import argparse
 import json
+import os
 import re
-import sys
+import sqlite3
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data.sandbox import MAX_ERROR_CHARS, SQLResult, _cap, _open, results_match, run_many, run_sql  # noqa: E402,F401
+from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
+
+# -----------------------------------------------------------------------------
+# The sandbox: guarantees in docs/environment.md. The database file is opened read-only and never changed; only
+# reads run (an authorizer, not a keyword list); every query has a wall-clock deadline; results, errors and values
+# are bounded.
+
+TIMEOUT_S = 5.0
+MAX_SQL_CHARS = 100_000         # longer SQL is refused before SQLite sees it
+MAX_VALUE_BYTES = 1_000_000     # SQLITE_LIMIT_LENGTH: any string/blob/row; randomblob(1e9) fails cleanly
+MAX_LIKE_PATTERN = 40           # SQLITE_LIMIT_LIKE_PATTERN_LENGTH, bytes (see "one SQLite step" below)
+MAX_EXPR_DEPTH = 200            # SQLITE_LIMIT_EXPR_DEPTH (SQLite's default is 1000)
+MAX_RESULT_BYTES = 32_000_000   # text/blob bytes fetched per result before it is cut (and marked truncated)
+MAX_ERROR_CHARS = 500           # errors are cut here: one naming a 90,000-character table is that long
+LIMITS = ((sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES), (sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS * 4),
+          (sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_LIKE_PATTERN),
+          (sqlite3.SQLITE_LIMIT_EXPR_DEPTH, MAX_EXPR_DEPTH), (sqlite3.SQLITE_LIMIT_ATTACHED, 0))  # 0: no VACUUM INTO
+READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+                "foreign_key_list"}  # metadata only; database_list is left out because it shows the file path
+# From `pragma function_list` / `module_list` of the SQLite we ship: fts3_tokenizer returns a library address and
+# takes a pointer (ENABLE_FTS3_TOKENIZER), fts5() hands out an API pointer, rtreenode/rtreedepth decode raw blobs,
+# sqlite_log writes to the process log, dbstat/sqlite_stmt show file pages and engine internals. No agent needs them.
+# (readfile/writefile/edit and sqlite_dbpage are not compiled in.)
+DENIED_FUNCTIONS = {"load_extension", "fts3_tokenizer", "fts5", "rtreenode", "rtreedepth", "sqlite_log"}
+DENIED_TABLES = {"dbstat", "sqlite_stmt"}
+# One SQLite step: neither the deadline nor interrupt() stops work inside a function call (instr() of two 1 MB strings
+# ran 4.6 s after an interrupt at 0.3 s), so each call is bounded. LIKE costs ~1.5 ns x len(value) x len(pattern):
+# the pattern limit holds a call on a 1 MB value near 60 ms. These cost len(arg1) x len(arg2) (GLOB's [...] 2.3 ns a
+# step, hence here) and get a guard that refuses a call over its budget, ~50 ms by measurement (instr/replace 0.02 ns
+# per byte pair, up to 16 per character pair; trim 1.6 ns; json_patch 3 ns per key pair), else runs SQLite's own.
+# Before: instr/replace of 1 MB by 0.5 MB 4.7-4.9 s, trim() by an 80k-character set >30 s, json_patch of 50k keys 9 s.
+# Guards are installed only for a query whose text names one (always: 10% slower queries); views in the database
+# may call these functions too, but only on its own values (views do not see the query's CTEs).
+GUARDED = {"instr": (2, 1.5e8), "replace": (3, 1.5e8), "glob": (2, 2e7), "trim": (2, 2e7), "ltrim": (2, 2e7),
+           "rtrim": (2, 2e7), "json_patch": (2, 3e8)}
+FIRST_WORDS = ("SELECT", "WITH", "VALUES", "PRAGMA", "EXPLAIN")
+# The first word after whitespace and comments. Linear time on hostile input: the group can match empty, so the
+# regex never fails and never backtracks; an unclosed /* comment runs to the end.
+FIRST_WORD = re.compile(r"(?:\s+|--[^\n]*|/\*.*?(?:\*/|\Z))*(\w{0,40})", re.S)
+ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE}
+_ACTION_NAMES = {getattr(sqlite3, f"SQLITE_{k}"): k.replace("_", " ") for k in (
+    "CREATE_INDEX CREATE_TABLE CREATE_TEMP_INDEX CREATE_TEMP_TABLE CREATE_TEMP_TRIGGER CREATE_TEMP_VIEW "
+    "CREATE_TRIGGER CREATE_VIEW DELETE DROP_INDEX DROP_TABLE DROP_TEMP_INDEX DROP_TEMP_TABLE DROP_TEMP_TRIGGER "
+    "DROP_TEMP_VIEW DROP_TRIGGER DROP_VIEW INSERT TRANSACTION UPDATE ATTACH DETACH ALTER_TABLE REINDEX ANALYZE "
+    "CREATE_VTABLE DROP_VTABLE SAVEPOINT").split()}
+
+
+@dataclass
+class SQLResult:
+    columns: list[str]
+    rows: list[tuple]
+    error: str | None
+    truncated: bool
+    elapsed_s: float
+
+
+def _authorizer(reasons):
+    # Second wall after mode=ro: reads only. `reasons` collects the refusal, to name it in the error.
+    def auth(action, arg1, arg2, db_name, source):
+        if action in ALLOWED and (action != sqlite3.SQLITE_READ or arg1.lower() not in DENIED_TABLES):
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION and arg2 not in DENIED_FUNCTIONS:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_PRAGMA and arg1 in READ_PRAGMAS:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_UPDATE and arg1 == "sqlite_master":
+            return sqlite3.SQLITE_IGNORE  # SQLite asks this when a pragma_* table first loads; IGNORE = never write
+        what = {sqlite3.SQLITE_PRAGMA: f"PRAGMA {arg1}", sqlite3.SQLITE_FUNCTION: f"{arg2}()",
+                sqlite3.SQLITE_READ: arg1}.get(action) or _ACTION_NAMES.get(action, "this statement")
+        reasons.append(f"not authorized: {what} (the database is read-only; only SELECT, WITH and metadata PRAGMAs "
+                       f"such as table_info are allowed)")
+        return sqlite3.SQLITE_DENY
+    return auth
+
+
+def _guard(name, nargs, budget, reasons):
+    sql = f"SELECT {name}({', '.join('?' * nargs)})"
+
+    def guarded(*args):
+        a, b = (len(v) if isinstance(v, (str, bytes)) else 24 for v in args[:2])
+        if a * b > budget:
+            reasons.append(f"{name}() on values this long ({a:,} and {b:,} characters) takes too long; shorten one")
+            raise ValueError(name)
+        conn = getattr(_local, "conn", None)  # SQLite's own function, on this thread's private in-memory db
+        if conn is None:
+            conn = _local.conn = sqlite3.connect(":memory:")
+            conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+            conn.text_factory = lambda b: b.decode("utf-8", "replace")  # replace(CAST(x AS BLOB), ..) is any bytes
+        try:
+            return conn.execute(sql, args).fetchone()[0]
+        except sqlite3.Error as e:  # e.g. "string or blob too big": SQLite's own words, as without the guard
+            reasons.append(str(e))
+            raise
+    return guarded
+
+# --- the watchdog: one thread interrupts each connection at its deadline. SQLite checks for an interrupt at every
+# row, so a heavy function on every row stops within one call; the progress handler this replaces ran every 20,000
+# VM steps (randomblob(1e6) per row: 1.7 s late). A threading.Timer per query cost ~1.5 ms; this, a dict entry.
+
+
+def _watch_init():  # also in a forked child, which has no watchdog thread and may hold a copy of a taken lock
+    global _watched, _watch_lock, _watch_wake, _watch_thread, _watch_next, _local
+    _watched, _watch_lock, _watch_wake, _watch_thread = {}, threading.Lock(), threading.Event(), None
+    _watch_next, _local = float("inf"), threading.local()
+
+
+_watch_init()
+os.register_at_fork(after_in_child=_watch_init)
+
+
+def _watchdog():
+    global _watch_next
+    while True:
+        with _watch_lock:
+            now = time.monotonic()
+            for conn, (deadline, timed_out) in list(_watched.items()):
+                if now >= deadline:  # under the lock: _open unwatches before close, so conn is still open
+                    timed_out.append(True)
+                    conn.interrupt()
+                    del _watched[conn]
+            _watch_next = min([d for d, _ in _watched.values()] + [now + 60.0])  # inf would overflow wait()
+            _watch_wake.clear()
+        _watch_wake.wait(_watch_next - now)
+
+
+def _watch(conn, deadline, timed_out):
+    global _watch_thread, _watch_next
+    with _watch_lock:
+        if _watch_thread is None:
+            _watch_thread = threading.Thread(target=_watchdog, name="sqlrl-sql-watchdog", daemon=True)
+            _watch_thread.start()
+        _watched[conn] = (deadline, timed_out)
+        # it sleeps until _watch_next: only an earlier deadline wakes it (waking it per query cost 20% throughput)
+        wake, _watch_next = deadline < _watch_next, min(deadline, _watch_next)
+    if wake:
+        _watch_wake.set()
+
+
+@contextmanager
+def _open(db_path, deadline, reasons, timed_out, guard=False):
+    """A read-only, locked-down connection, always closed on exit (an unclosed one is how temp files pile up).
+    mode=ro refuses writes; immutable=1 also skips locking and never creates -journal/-wal/-shm files (datasets are
+    static). Only a db with a -wal file beside it is opened without immutable, so SQLite reads the pages in its WAL;
+    then readonly_shm=1 keeps SQLite from creating a -shm beside an orphaned -wal (it fails to open instead), and the
+    busy timeout (Python's default: 5 s) ends any wait for another process's lock at the deadline."""
+    path = os.path.abspath(os.fspath(db_path))
+    flags = "&readonly_shm=1" if os.path.exists(path + "-wal") else "&immutable=1"
+    try:
+        conn = sqlite3.connect(f"{_uri(path)}?mode=ro{flags}", uri=True, isolation_level=None,
+                               timeout=min(max(deadline - time.monotonic(), 0.0), 1e6))
+    except sqlite3.OperationalError:
+        if not os.path.isfile(path):
+            raise FileNotFoundError("database file not found") from None
+        raise
+    try:
+        _watch(conn, deadline, timed_out)
+        # Big sorts spill to SQLite temp files, which are unlinked the moment they are opened (never left behind,
+        # freed on close). temp_store=MEMORY would keep a runaway ORDER BY's every row in RAM instead: measured
+        # 458 MB after 5 s and 0.6 s past the deadline just to free it, vs 13 MB and 0.06 s with files.
+        conn.execute("PRAGMA temp_store = FILE")
+        for limit, value in LIMITS:
+            conn.setlimit(limit, value)
+        if hasattr(conn, "enable_load_extension"):
+            conn.enable_load_extension(False)
+        for name, (nargs, budget) in GUARDED.items() if guard else ():
+            conn.create_function(name, nargs, _guard(name, nargs, budget, reasons), deterministic=True)
+        conn.set_authorizer(_authorizer(reasons))
+        yield conn
+    finally:
+        with _watch_lock:
+            _watched.pop(conn, None)
+        conn.close()
+
+
+@lru_cache(maxsize=4096)
+def _uri(abs_path):  # percent-encodes odd characters; cached because it is ~15% of a simple query's time
+    return Path(abs_path).as_uri()
+
+
+def _fetch(conn, sql, max_rows):
+    cur, rows, nbytes, truncated = conn.execute(sql), [], 0, False
+    for row in cur:
+        if len(rows) >= max_rows or nbytes > MAX_RESULT_BYTES:
+            truncated = True
+            break
+        for v in row:
+            if v.__class__ is str or v.__class__ is bytes:
+                nbytes += len(v)
+        rows.append(row)
+    return [d[0] for d in cur.description or []], rows, truncated
+
+
+def _refusal(sql):
+    """Why `sql` is refused before SQLite sees it, or None."""
+    if not isinstance(sql, str):
+        return f"the query must be text, got {type(sql).__name__}"
+    if len(sql) > MAX_SQL_CHARS:
+        return f"query too long ({len(sql)} characters, limit {MAX_SQL_CHARS})"
+    if "\x00" in sql:
+        return "the query contains a NUL character"
+    m = FIRST_WORD.match(sql)
+    word = m.group(1).upper() or sql[m.end():m.end() + 1]
+    if word == "":
+        return "empty query: write one SELECT statement"
+    if word not in FIRST_WORDS:
+        return f"only read-only queries are allowed (SELECT, WITH, VALUES, metadata PRAGMA, EXPLAIN), not {word}"
+    return None
+
+
+def run_sql(db_path, sql, timeout_s=TIMEOUT_S, max_rows=10_000) -> SQLResult:
+    """Run one read-only statement within timeout_s + 0.2 s. Never raises: every failure comes back in .error
+    (at most MAX_ERROR_CHARS, without file paths)."""
+    t0 = time.monotonic()
+    error, reasons, timed_out = _refusal(sql), [], []
+    columns, rows, truncated = [], [], False
+    try:
+        if error is None:
+            if not float(timeout_s) >= 0:  # NaN would never time out
+                raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+            guard = any(map(sql.lower().__contains__, GUARDED))
+            with _open(db_path, t0 + float(timeout_s), reasons, timed_out, guard) as conn:
+                try:
+                    columns, rows, truncated = _fetch(conn, sql, int(max_rows))
+                except sqlite3.OperationalError as e:
+                    if "decode" not in str(e) or timed_out:
+                        raise
+                    # Non-UTF-8 text in the database: fetch again, replacing the undecodable bytes.
+                    conn.text_factory = lambda b: b.decode("utf-8", "replace")
+                    columns, rows, truncated = _fetch(conn, sql, int(max_rows))
+    except Exception as e:  # noqa: BLE001 - untrusted SQL: anything that goes wrong becomes the agent's error text
+        columns, rows, truncated = [], [], False
+        error = (f"query timed out after {float(timeout_s)!r} s" if timed_out else reasons[0] if reasons else
+                 "the query is not valid UTF-8 text" if isinstance(e, UnicodeEncodeError) else
+                 "out of memory: the result is too large" if isinstance(e, MemoryError) else
+                 f"{'/'.join(GUARDED)} got text that is not valid UTF-8 (CAST it AS BLOB first)"
+                 if "user-defined function" in str(e) else _clean_error(e, db_path))
+    return SQLResult(columns, rows, error and _cap(error, MAX_ERROR_CHARS), truncated,
+                     time.monotonic() - t0)  # elapsed includes closing
+
+
+def _cap(text, n):  # every text the agent sees is bounded, whatever produced it
+    return text if len(text) <= n else f"{text[:n]}... ({len(text) - n:,} more characters)"
+
+
+def _clean_error(e, db_path):
+    # SQLite messages name tables/columns, not files, but scrub the path anyway in case one ever leaks through.
+    msg, full = str(e), os.path.abspath(str(db_path))
+    for p in (full, os.path.dirname(full), str(db_path)):
+        if len(p) > 1:
+            msg = msg.replace(p, "<db>")
+    return msg or "query failed"
+
+
+def run_many(jobs, workers=4, timeout_s=TIMEOUT_S, max_rows=10_000) -> list[SQLResult]:
+    """run_sql over [(db_path, sql), ...] in parallel threads (sqlite3 releases the GIL); results in job order."""
+    def one(job):
+        try:
+            db_path, sql = job
+        except (TypeError, ValueError):
+            return SQLResult([], [], "each job must be a (db_path, sql) pair", False, 0.0)
+        return run_sql(db_path, sql, timeout_s, max_rows)
+    jobs = list(jobs)
+    if workers <= 1 or len(jobs) <= 1:
+        return [one(j) for j in jobs]
+    with ThreadPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+        return list(pool.map(one, jobs))
+
+# -----------------------------------------------------------------------------
+# result comparison
+
+
+def results_match(pred_rows, gold_rows, mode="bird", order_matters=False) -> bool:
+    """Does the predicted result equal the gold result? Compare full results, never a truncated observation.
+
+    mode="bird": the official BIRD scorer, set(pred) == set(gold). Row order and duplicates are ignored; column
+    order matters.
+    >>> results_match([(1, 'a'), (1, 'a'), (2, 'b')], [(2, 'b'), (1, 'a')], "bird")
+    True
+    >>> results_match([('a', 1)], [(1, 'a')], "bird")
+    False
+
+    mode="spider": the test-suite scorer (taoyds/test-suite-sql-eval): equal bags (multisets) of rows, up to one
+    column permutation applied to every row; row order counts only when order_matters (gold has ORDER BY).
+    Two empty results match; different row or column counts do not.
+    >>> results_match([('a', 1), ('b', 2)], [(2, 'b'), (1, 'a')], "spider")
+    True
+    >>> results_match([(1,), (1,), (2,)], [(1,), (2,), (2,)], "spider")
+    False
+    >>> results_match([(1,), (2,)], [(2,), (1,)], "spider", order_matters=True)
+    False
+    >>> results_match([], [], "spider"), results_match([(1,)], [(1, 1)], "spider")
+    (True, False)
+    """
+    pred, gold = [tuple(r) for r in pred_rows], [tuple(r) for r in gold_rows]
+    if mode == "bird":
+        return set(pred) == set(gold)
+    if mode != "spider":
+        raise ValueError(f"results_match mode must be 'bird' or 'spider', got {mode!r}")
+    if not pred and not gold:
+        return True
+    if len(pred) != len(gold):
+        return False
+    ncols = len(gold[0])
+    if any(len(r) != ncols for r in pred) or any(len(r) != ncols for r in gold):
+        return False
+    # Prune: a gold column can only map to a pred column holding the same multiset of values.
+    pcols = [Counter(r[i] for r in pred) for i in range(ncols)]
+    gcols = [Counter(r[j] for r in gold) for j in range(ncols)]
+    cands = [[i for i in range(ncols) if pcols[i] == gcols[j]] for j in range(ncols)]
+    if any(not c for c in cands):
+        return False
+    gold_bag = None if order_matters else Counter(gold)
+    pred_seq = [tuple(r[i] for r in pred) for i in range(ncols)]  # identical pred columns are interchangeable
+
+    def search(j, perm, used):
+        if j == ncols:
+            permuted = [tuple(r[i] for i in perm) for r in pred]
+            return permuted == gold if order_matters else Counter(permuted) == gold_bag
+        tried = set()
+        for i in cands[j]:
+            if i in used or pred_seq[i] in tried:
+                continue
+            tried.add(pred_seq[i])
+            if search(j + 1, perm + [i], used | {i}):
+                return True
+        return False
+    return search(0, [], frozenset())
 
 # -----------------------------------------------------------------------------
 # what the agent sees
@@ -153,52 +482,6 @@ def load_examples(jsonl_path) -> list[dict]:
     if not examples:
         raise ValueError(f"{jsonl_path}: no examples in the file")
     return examples
-
-# -----------------------------------------------------------------------------
-# command lines: every entry point reports a user's mistake as one line, `error: <what and what to do>`, exit 2
-
-
-class UserError(Exception):
-    """A wrong flag or input found before any work; the entry point's __main__ prints it with die()."""
-
-
-def die(message):
-    print("error: " + " ".join(str(message).split()), file=sys.stderr)  # one line, whatever the message holds
-    sys.exit(2)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every flag's default (unless its help already names it)."""
-
-    def _get_help_string(self, action):
-        text, d = action.help or "", action.default
-        return text if "default" in text or d is None or d is False or d == argparse.SUPPRESS else \
-            f"{text} (default: %(default)s)"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
-
-    def error(self, message):  # argparse's own (bad choice, bad number, missing flag) would add the usage lines
-        die(f"{message}; see --help")
-
-
-def int_at_least(low):
-    def parse(text):
-        if not text.lstrip("-").isdigit() or int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return int(text)
-    return parse
-
-
-positive_int, nonneg_int = int_at_least(1), int_at_least(0)  # a count; a count where 0 means off or all
-
-
-def existing_file(text):
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"no file {text}; check the path")
-    return text
 
 # -----------------------------------------------------------------------------
 # protocols: prompts (after each paper's appendix, adapted to our one SQL tool), turn parsing, observations

@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import TORCH_DTYPES, all_reduce_sum, resolve_dtype, unwrap
-from env import ArgumentParser, die, existing_file, load_examples, nonneg_int, positive_int, run_many
+from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
+from env import load_examples, run_many
 from rewards import (SCORE_MAX_ROWS, classify_failure, gold_order_matters, gold_results,  # shared with the rewards
                      is_correct)
 from data.spider.prepare import spider_hardness, spider_sql, ts_databases, write_spider_files  # test-suite rules

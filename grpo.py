@@ -360,7 +360,7 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    from env import ArgumentParser
+    from cli import ArgumentParser
     from model import load_model
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--group-size", type=int, default=4, help="rows per group")

@@ -452,7 +452,7 @@ def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    from env import ArgumentParser
+    from cli import ArgumentParser
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help='"smollm2", "tiny" or a Hugging Face id / local folder')
     parser.add_argument("--seed", type=int, default=0, help="the tiny model's init")

@@ -523,7 +523,7 @@ def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    from env import ArgumentParser
+    from cli import ArgumentParser
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--db", required=True, help="SQLite file the query runs against")
     parser.add_argument("--sql", required=True, help="query whose minimal schema K* to print")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 import engine
+import cli
 import env
 
 _SENTINEL = "@@turn-content@@"
@@ -128,7 +129,8 @@ def _append(traj, ids, turn, loss=0, logprobs=None):
 
 def _finish(row, reason, cut_turn=False):
     """End a row's episode; limits are recorded on the Episode too, so rewards see them."""
-    traj, episode = row.traj, row.traj.episode
+    traj = row.traj
+    episode = traj.episode
     if cut_turn:  # the turn never ended: nothing was parsed or executed
         episode.actions.append(env.Action("invalid", None, None, False, f"turn cut by the {reason} limit"))
         episode.turn_valid.append(False)
@@ -136,7 +138,8 @@ def _finish(row, reason, cut_turn=False):
     traj.stop_reason = reason
     traj.num_tool_calls = episode.num_tool_calls
     if not episode.done:
-        episode.done, episode.stop_reason = True, reason
+        episode.done = True
+        episode.stop_reason = reason
 
 
 def get_protocol(protocol):
@@ -166,7 +169,8 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     generator = torch.Generator(device=param.device).manual_seed(seed)
 
     # --- one row per (example, sample); prompts too long for the context end at once, never cut from the left
-    rows, t0 = [], time.perf_counter()
+    rows = []
+    t0 = time.perf_counter()
     for group, example in enumerate(examples):
         turns = example.get("max_turns", max_turns)  # a per-question budget (train.py --adaptive-turns) wins
         prompt = render_ids(tokenizer, proto.build_messages(example, schema_mode, turns), True)
@@ -237,7 +241,9 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             # --- append the sampled token; decide per row: keep decoding, end the turn, or hit a limit
             ended = []
             for i, r in live:
-                row, token, traj = rows[r], tokens[i], rows[r].traj
+                row = rows[r]
+                traj = row.traj
+                token = tokens[i]
                 _append(traj, [token], traj.num_turns, loss=1, logprobs=[token_logp[i]])
                 if token in bits.eos_ids or hits_stop(tokenizer, bits, traj.token_ids, row.turn_start):
                     ended.append(r)
@@ -254,8 +260,10 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             jobs = [(rows[r].traj.example["db_path"], sql) for r, sql in zip(ended, sqls) if sql is not None]
             results = iter(env.run_many(jobs, workers=sql_workers) if jobs else [])
             for r, text, sql in zip(ended, texts, sqls):
-                row, traj = rows[r], rows[r].traj
-                turn, last = traj.num_turns, traj.token_ids[-1]
+                row = rows[r]
+                traj = row.traj
+                turn = traj.num_turns
+                last = traj.token_ids[-1]
                 observation, done = env.step(traj.episode, text, next(results) if sql is not None else None)
                 traj.num_turns += 1
                 # close the assistant message exactly as the template does (a sampled eos is its first token)
@@ -269,7 +277,9 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
                 if done or not fits:
                     _finish(row, traj.episode.stop_reason if done else "context")
                 else:
-                    row.feed, row.turn_start, row.turn_t0 = [last] + extra, len(traj.token_ids), time.perf_counter()
+                    row.feed = [last] + extra
+                    row.turn_start = len(traj.token_ids)
+                    row.turn_t0 = time.perf_counter()
 
             # --- a finished row hands its slot to a waiting row; with none waiting the slot dies, and once a quarter of
             # the slots are dead they leave the cache (each compaction moves every kept row)
@@ -290,7 +300,11 @@ def rollout_with_signal(model, tokenizer, prompts, protocol, reward_fn, *, refil
     """Rollouts and rewards of prompts, group-major, and stats. With refill (DAPO's dynamic sampling: n -> n fresh
     prompts), groups whose rewards are all equal carry no gradient, so fresh prompts are rolled, at most `rounds` more
     times, until len(prompts) groups have signal; flat groups fill the batch only when that cap is hit."""
-    G, kept, flat, done, batch = group_size, [], [], 0, prompts
+    G = group_size
+    kept = []    # groups with reward variance
+    flat = []    # groups without
+    done = 0     # rounds rolled out
+    batch = prompts
     while True:
         trajs = rollout(model, tokenizer, batch, protocol, seed=seed + 7 * done, group_size=G, **rollout_kw)
         rewards = [reward_fn(t, t.example) for t in trajs]
@@ -326,21 +340,21 @@ def rollout_metrics(trajs, rewards):
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = env.ArgumentParser(description=__doc__)
-    pos = env.positive_int
+    parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help='"smollm2" (the demo\'s model), "tiny" (the test model), a '
                         'Hugging Face id or a local folder')
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights while rolling "
                         "out (auto: bf16 where the device has fast bf16 matmuls)")
-    parser.add_argument("--data", type=env.existing_file, default=None, help="examples JSONL (default: gym dev)")
+    parser.add_argument("--data", type=cli.existing_file, default=None, help="examples JSONL (default: gym dev)")
     parser.add_argument("--protocol", default="trust", choices=sorted(env.PROTOCOLS), help="agent turn format")
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
                         help="none: unknown schema; prompt: schema in the prompt")
-    parser.add_argument("--num-examples", type=pos, default=4, help="questions rolled out (the first N of --data)")
-    parser.add_argument("--group-size", type=pos, default=2, help="rollouts per question")
-    parser.add_argument("--max-turns", type=pos, default=5, help="assistant turns per episode")
-    parser.add_argument("--max-new-tokens", type=pos, default=256, help="per assistant turn")
-    parser.add_argument("--max-total-tokens", type=pos, default=4096, help="whole trajectory")
+    parser.add_argument("--num-examples", type=cli.positive_int, default=4,
+                        help="questions rolled out (the first N of --data)")
+    parser.add_argument("--group-size", type=cli.positive_int, default=2, help="rollouts per question")
+    parser.add_argument("--max-turns", type=cli.positive_int, default=5, help="assistant turns per episode")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=256, help="per assistant turn")
+    parser.add_argument("--max-total-tokens", type=cli.positive_int, default=4096, help="whole trajectory")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -355,7 +369,7 @@ if __name__ == "__main__":
         dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device)]
         model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as e:
-        env.die(e)
+        cli.die(e)
     t0 = time.perf_counter()
     trajs = rollout(model, tokenizer, examples, args.protocol, group_size=args.group_size, max_turns=args.max_turns,
                     max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,

@@ -31,6 +31,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+import cli
 import env  # noqa: E402
 from data.spider.prepare import spider_sample  # noqa: E402
 from data.teacher import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
@@ -90,9 +91,9 @@ QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0
 
 
 def get_parser(add_help=True):
-    p = env.ArgumentParser(description=__doc__, add_help=add_help)
+    p = cli.ArgumentParser(description=__doc__, add_help=add_help)
     a = p.add_argument
-    pos, nonneg, file = env.positive_int, env.nonneg_int, env.existing_file  # argparse types: an error is one line
+    pos, nonneg, file = cli.positive_int, cli.nonneg_int, cli.existing_file  # argparse types: an error is one line
     a("--stage", default="both", choices=["sft", "rl", "both"], help="which stages to run")
     a("--recipe", default="trust", choices=sorted(RECIPES), help="a paper's settings (RECIPES)")
     a("--model", default="smollm2", help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
@@ -362,7 +363,7 @@ def main(argv=None):
     torch.manual_seed(args.seed + rank)
     if args.run_name is None:
         if args.resume:
-            raise env.UserError("--resume needs --run-name: the folder under --out-dir of the run to continue")
+            raise cli.UserError("--resume needs --run-name: the folder under --out-dir of the run to continue")
         name = [time.strftime("run-%Y%m%d-%H%M%S")]  # a new folder per run, rank 0's name on every rank
         if dist.is_initialized():
             dist.broadcast_object_list(name, src=0)
@@ -379,14 +380,14 @@ def main(argv=None):
     try:
         model_path = resolve(args.model)  # a missing folder, a Hub id neither cached nor reachable, smollm2's fetch
     except (OSError, RuntimeError) as e:
-        raise env.UserError(e) from None
+        raise cli.UserError(e) from None
     try:
         old = replaceable_checkpoints(run_dir, args.model, args.resume, args.overwrite)
     except ValueError as e:
-        raise env.UserError(e) from None
+        raise cli.UserError(e) from None
     mini = args.ppo_mini_batch_size or args.rl_batch_size
     if args.rl_batch_size % mini or mini % world:
-        raise env.UserError(f"--ppo-mini-batch-size {mini} must divide --rl-batch-size {args.rl_batch_size} and be a "
+        raise cli.UserError(f"--ppo-mini-batch-size {mini} must divide --rl-batch-size {args.rl_batch_size} and be a "
                             f"multiple of the world size {world}")
 
     # --- data: default to the gym (built once, by rank 0)
@@ -403,7 +404,7 @@ def main(argv=None):
         dev = env.load_examples(args.dev_data)[: args.eval_limit or None]
         test = env.load_examples(args.test_data)[: args.eval_limit or None]
     except (FileNotFoundError, ValueError) as e:  # a bad record or a missing database
-        raise env.UserError(e) from None
+        raise cli.UserError(e) from None
     if master:  # recipe, then model and --quick presets, then the command line: what this run uses
         print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
                             subsequent_indent="  "))
@@ -428,7 +429,7 @@ def main(argv=None):
     try:
         model, tokenizer = load_model(model_path, device=device, seed=args.seed)  # resolved once, above
     except ValueError as e:  # e.g. a tokenizer without a chat template
-        raise env.UserError(e) from None
+        raise cli.UserError(e) from None
     spider = spider_sample(args.spider_dir, args.spider_limit) if args.spider_limit else []
     if master and args.spider_limit and not spider:
         print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
@@ -542,8 +543,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
 if __name__ == "__main__":
     try:
         main()
-    except env.UserError as e:
-        env.die(e)
+    except cli.UserError as e:
+        cli.die(e)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # DDP keeps gloo's worker threads alive past destroy_process_group; one that frees a tensor during interpreter
         # teardown takes the GIL and aborts (SIGABRT, ~1 run in 20), failing a finished run. Everything is written.

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from sqlglot import exp
 
+import cli
 import env
 from rewards import extract_schema
 
@@ -424,13 +425,13 @@ class AgentTokenLoss(torch.nn.Module):
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    parser = env.ArgumentParser(description=__doc__)
-    nonneg = env.nonneg_int
-    parser.add_argument("--data", type=env.existing_file, required=True, help="examples JSONL (a prepare.py output)")
+    parser = cli.ArgumentParser(description=__doc__)
+    nonneg = cli.nonneg_int
+    parser.add_argument("--data", type=cli.existing_file, required=True, help="examples JSONL (a prepare.py output)")
     parser.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"],
                         help="agent turn format (the recipe's)")
     parser.add_argument("--out", required=True, help="output JSONL of chat-message trajectories")
-    parser.add_argument("--max-turns", type=env.positive_int, default=10, help="turn budget the prompt states")
+    parser.add_argument("--max-turns", type=cli.positive_int, default=10, help="turn budget the prompt states")
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
                         help="none: unknown schema; prompt: schema in the prompt")
     parser.add_argument("--distractors", type=nonneg, default=1, help="extra tables whose schema the teacher reads")
@@ -443,7 +444,7 @@ if __name__ == "__main__":
     try:
         examples = env.load_examples(args.data)[: args.limit or None]
     except (FileNotFoundError, ValueError) as e:  # a bad record or a missing database
-        env.die(e)
+        cli.die(e)
     write_teacher_data(examples, args.out, args.protocol, max_turns=args.max_turns, schema_mode=args.schema_mode,
                        seed=args.seed, distractors=args.distractors, max_probes=args.max_probes,
                        repair_rate=args.repair_rate, list_tables=bool(args.list_tables))

@@ -17,7 +17,6 @@ import time
 import pytest
 
 import env
-from data import sandbox
 
 RUNAWAYS = {  # each runs for minutes without the timeout
     "recursive CTE without LIMIT": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
@@ -191,7 +190,7 @@ def test_result_bytes_are_capped_so_huge_rows_cannot_exhaust_memory(pets):
     rows_of_900kb = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 10000) "
                      "SELECT zeroblob(900000) FROM c")
     r = env.run_sql(pets, rows_of_900kb)  # 9 GB if fetched in full
-    assert r.error is None and r.truncated and len(r.rows) * 900_000 <= sandbox.MAX_RESULT_BYTES + 900_000
+    assert r.error is None and r.truncated and len(r.rows) * 900_000 <= env.MAX_RESULT_BYTES + 900_000
 
 
 def test_pragma_functions_join_like_agents_write_them(pets):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import cli
 import env
 import train
 from data.spider.prepare import spider_sample
@@ -151,11 +152,11 @@ def test_missing_sft_data_and_missing_database_are_clear_errors(tmp_path, tiny):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x", "db_id": "d", "db_path": "missing.sqlite", "question": "q", "evidence": "",
                                "gold_sql": "SELECT 1", "difficulty": "easy", "source": "gym"}) + "\n")
-    with pytest.raises(env.UserError, match="database"):  # train.py's __main__ prints it as one `error:` line
+    with pytest.raises(cli.UserError, match="database"):  # train.py's __main__ prints it as one `error:` line
         train.main(["--quick", "--model", "tiny", "--data", str(bad), "--out-dir", str(tmp_path)])
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(env.UserError, match="no examples"):
+    with pytest.raises(cli.UserError, match="no examples"):
         train.main(["--quick", "--model", "tiny", "--data", str(empty), "--out-dir", str(tmp_path)])
 
 # -----------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def test_a_new_run_into_a_folder_with_checkpoints_refuses_and_keeps_them(tmp_pat
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
     assert out.stderr.startswith("error: ") and "--resume" in out.stderr and "--overwrite" in out.stderr
     assert (ckpt / "model.safetensors").read_text() == "an earlier run's weights"
-    with pytest.raises(env.UserError, match="--run-name"):  # the default run name is new each run: nothing to resume
+    with pytest.raises(cli.UserError, match="--run-name"):  # the default run name is new each run: nothing to resume
         train.main(["--model", "tiny", "--resume", "--out-dir", str(tmp_path)])
 
 
@@ -281,7 +282,7 @@ def test_rl_from_a_checkpoint_in_its_own_run_folder_never_deletes_it(tmp_path, m
     ckpt = fake_checkpoint(tmp_path / "demo" / "ckpt-000040")
     argv = ["--stage", "rl", "--model", str(ckpt), "--out-dir", str(tmp_path), "--run-name", "demo"]
     for extra, why in [([], "another --run-name"), (["--overwrite"], "another --run-name")]:
-        with pytest.raises(env.UserError, match=why):
+        with pytest.raises(cli.UserError, match=why):
             train.main(argv + extra)
         assert (ckpt / "model.safetensors").exists()
 

@@ -124,7 +124,7 @@ def write_bird_predictions(path, examples: list[dict], sqls: list) -> None:
 
 
 if __name__ == "__main__":
-    from env import ArgumentParser, die
+    from cli import ArgumentParser, die
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--bird-dir", type=Path, required=True, help="folder with <split>.json and <split>_databases/")
     parser.add_argument("--split", default="dev", help="dev or train (default dev)")

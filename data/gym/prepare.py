@@ -546,7 +546,7 @@ def print_stats(stats):
 
 
 if __name__ == "__main__":
-    from env import ArgumentParser  # a bad flag is one `error:` line
+    from cli import ArgumentParser  # a bad flag is one `error:` line
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=GYM_DIR, help="output folder (default: beside this script)")
     parser.add_argument("--seed", type=int, default=0, help="the generated world (databases and questions)")

@@ -23,7 +23,7 @@ from tqdm import tqdm
 if __name__ == "__main__":  # run as a script: make `data.*` importable like from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from env import run_many  # noqa: E402  (the same read-only sandbox the agent uses runs the gold queries)
+from env import run_many  # noqa: E402  (the agent's own read-only sandbox runs the gold queries)
 
 HERE = Path(__file__).resolve().parent
 
@@ -301,7 +301,7 @@ def spider_sample(spider_dir, n):
 
 
 if __name__ == "__main__":
-    from env import ArgumentParser, die
+    from cli import ArgumentParser, die
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--spider-dir", type=Path, required=True, help="folder with dev.json, tables.json, database/")
     parser.add_argument("--split", default="dev.json", help="split file inside --spider-dir (default dev.json)")

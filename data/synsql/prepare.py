@@ -45,7 +45,7 @@ def load_synsql(synsql_dir, limit=None, db_dir=None):
 
 
 if __name__ == "__main__":
-    from env import ArgumentParser, die, positive_int
+    from cli import ArgumentParser, die, positive_int
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--synsql-dir", type=Path, required=True, help="folder with data.json and databases/")
     parser.add_argument("--limit", type=positive_int, default=None, help="only the first N examples (default: all)")
