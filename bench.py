@@ -205,9 +205,9 @@ def script_force(scripts, free_turn=None):
 
 def run_engine(model, tokenizer, batch, scripts, turn_len, group_size, limit, seed=0, decode="auto", free_turn=None):
     """rollout.py on the scripted work; returns its trajectories."""
-    import env
+    import protocols
     from rollout import rollout
-    trajs = rollout(model, tokenizer, batch[::group_size], env.PROTOCOLS["trust"], group_size=group_size,
+    trajs = rollout(model, tokenizer, batch[::group_size], protocols.PROTOCOLS["trust"], group_size=group_size,
                     max_turns=TURNS, max_new_tokens=turn_len, max_total_tokens=limit, temperature=0.0, top_p=1.0,
                     schema_mode="none", seed=seed, force=script_force(scripts, free_turn), decode=decode)
     bad = [t.stop_reason for t, s in zip(trajs, scripts) if t.stop_reason != "answer" or t.num_turns != len(s)]
@@ -219,9 +219,10 @@ def run_engine(model, tokenizer, batch, scripts, turn_len, group_size, limit, se
 def run_naive(model, tokenizer, batch, scripts, turn_len):
     """The loop a student writes: every turn re-render the whole conversation and call model.generate on it."""
     import env
-    proto = env.PROTOCOLS["trust"]
+    import protocols
+    proto = protocols.PROTOCOLS["trust"]
     chats = [proto.build_messages(example, "none", TURNS) for example in batch]
-    episodes = [env.new_episode(example, proto.name, TURNS, "none") for example in batch]
+    episodes = [env.new_episode(example, proto, TURNS, "none") for example in batch]
     generated = 0
     for t in range(TURNS):
         texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
@@ -240,8 +241,8 @@ def run_naive(model, tokenizer, batch, scripts, turn_len):
 
 def run_one_turn(model, tokenizer, batch, turn_len):
     """HF generate producing as many tokens in one uninterrupted turn: no tools, one prefill."""
-    import env
-    proto = env.PROTOCOLS["trust"]
+    import protocols
+    proto = protocols.PROTOCOLS["trust"]
     chats = [proto.build_messages(example, "none", TURNS) for example in batch]
     texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
     enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)

@@ -508,7 +508,7 @@ if __name__ == "__main__":
             die(e)
     trained = trained_settings(args.model)
     if trained and args.protocol is None:  # the checkpoint's own prompt variant; an explicit --protocol is used as is
-        from env import protocol_variant  # registers e.g. "trust-brief-rows40" in env.PROTOCOLS
+        from protocols import protocol_variant  # registers e.g. "trust-brief-rows40" in PROTOCOLS
         args.protocol = protocol_variant(trained["protocol"], trained["brief_prompt"], trained["obs_rows"],
                                          trained["force_final_answer"])
     for key, default in ROLLOUT_FLAGS.items():

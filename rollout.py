@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-import engine
 import cli
+import engine
 import env
+import protocols
 
 _SENTINEL = "@@turn-content@@"
 
@@ -142,14 +143,6 @@ def _finish(row, reason, cut_turn=False):
         episode.stop_reason = reason
 
 
-def get_protocol(protocol):
-    if isinstance(protocol, env.Protocol):
-        return protocol
-    if protocol not in env.PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}: choose one of {sorted(env.PROTOCOLS)}")
-    return env.PROTOCOLS[protocol]
-
-
 @torch.inference_mode()
 def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_new_tokens, max_total_tokens,
             temperature, top_p, schema_mode, seed, force=None, sql_workers=4, max_rows=None, bar=None,
@@ -163,7 +156,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     graphs on a GPU."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
-    proto = get_protocol(protocol)
+    proto = protocols.get(protocol)
     bits = chat_bits(tokenizer, model, proto)
     param = next(model.parameters())
     generator = torch.Generator(device=param.device).manual_seed(seed)
@@ -175,7 +168,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
         turns = example.get("max_turns", max_turns)  # a per-question budget (train.py --adaptive-turns) wins
         prompt = render_ids(tokenizer, proto.build_messages(example, schema_mode, turns), True)
         for _ in range(group_size):
-            episode = env.new_episode(example, proto.name, turns, schema_mode)
+            episode = env.new_episode(example, proto, turns, schema_mode)
             traj = Trajectory(list(prompt), len(prompt), [0] * len(prompt), [0.0] * len(prompt),
                               [-1] * len(prompt), episode, example, group, 0, 0, "")
             rows.append(_Row(traj, list(prompt), len(prompt), t0))
@@ -346,7 +339,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights while rolling "
                         "out (auto: bf16 where the device has fast bf16 matmuls)")
     parser.add_argument("--data", type=cli.existing_file, default=None, help="examples JSONL (default: gym dev)")
-    parser.add_argument("--protocol", default="trust", choices=sorted(env.PROTOCOLS), help="agent turn format")
+    parser.add_argument("--protocol", default="trust", choices=sorted(protocols.PROTOCOLS), help="agent turn format")
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
                         help="none: unknown schema; prompt: schema in the prompt")
     parser.add_argument("--num-examples", type=cli.positive_int, default=4,

@@ -31,8 +31,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-import cli
+import cli  # noqa: E402
 import env  # noqa: E402
+import protocols  # noqa: E402
 from data.spider.prepare import spider_sample  # noqa: E402
 from data.teacher import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
 from eval import Logger, evaluate_ex, pass_rates, report, trained_settings  # noqa: E402
@@ -434,13 +435,13 @@ def main(argv=None):
     if master and args.spider_limit and not spider:
         print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
     base_protocol = args.protocol
-    args.protocol = env.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.force_final_answer)
+    args.protocol = protocols.protocol_variant(args.protocol, args.brief_prompt, args.obs_rows, args.force_final_answer)
     try:
         evalsets = {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
         return run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, rank, world, device)
     finally:
         if args.protocol != base_protocol:
-            env.PROTOCOLS.pop(args.protocol, None)  # leave the registry as we found it (in-process callers, tests)
+            protocols.PROTOCOLS.pop(args.protocol, None)  # leave the registry as we found it (in-process callers, tests)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -33,6 +33,7 @@ from sqlglot import exp
 
 import cli
 import env
+import protocols
 from rewards import extract_schema
 
 # -----------------------------------------------------------------------------
@@ -91,7 +92,7 @@ def render_mtir(kind, think, db_id, sql=None, schema=None):
     return f"<think>{think}</think>\n<tool_call>\n{call}\n</tool_call>"
 
 
-# protocol variants (env.protocol_variant, e.g. "trust-brief") render like their base protocol
+# protocol variants (protocols.protocol_variant, e.g. "trust-brief") render like their base protocol
 RENDER = {"trust": render_trust, "trail": render_trail, "skyrl": render_skyrl, "mtir": render_mtir}
 
 # -----------------------------------------------------------------------------
@@ -244,11 +245,11 @@ def teach(example, protocol="trust", *, max_turns=10, schema_mode="none", seed=0
         turns = plan_turns(example, protocol, schema_mode, rng, **plan_kw)
     except (ValueError, sqlglot.errors.ParseError) as e:
         return None, f"plan: {str(e).splitlines()[0][:60]}"
-    proto = env.PROTOCOLS[protocol]
+    proto = protocols.PROTOCOLS[protocol]
     if len(turns) > max_turns:
         return None, "too many turns"
     messages = [dict(m) for m in proto.build_messages(example, schema_mode, max_turns)]
-    episode = env.new_episode(example, protocol, max_turns, schema_mode)
+    episode = env.new_episode(example, proto, max_turns, schema_mode)
     for kind, think, sql, schema in turns:
         text = RENDER[protocol.split("-")[0]](kind, think, example["db_id"], sql=sql, schema=schema)
         messages.append({"role": "assistant", "content": text})
@@ -269,12 +270,12 @@ def teach(example, protocol="trust", *, max_turns=10, schema_mode="none", seed=0
 def check_trajectory(record, example):
     """Replay the assistant turns through a fresh episode: every turn format-valid, observations identical to the
     stored ones, ends with an answer whose execution result matches gold. Returns (ok, reason)."""
-    proto = env.PROTOCOLS[record["protocol"]]
+    proto = protocols.PROTOCOLS[record["protocol"]]
     prompt = proto.build_messages(example, record["schema_mode"], record["max_turns"])
     messages = record["messages"]
     if [dict(m) for m in messages[:len(prompt)]] != [dict(m) for m in prompt]:
         return False, "prompt differs from protocol.build_messages"
-    episode = env.new_episode(example, record["protocol"], record["max_turns"], record["schema_mode"])
+    episode = env.new_episode(example, proto, record["max_turns"], record["schema_mode"])
     rest = messages[len(prompt):]
     for i in range(0, len(rest), 2):
         if rest[i]["role"] != "assistant":

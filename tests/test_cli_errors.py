@@ -36,7 +36,7 @@ CASES = [  # the issue's list first, then one case for each other entry point
     ("eval.py", ["--model", MISSING_MODEL], f"model folder {MISSING_MODEL} does not exist"),
     ("train.py", ["--sft-data", "no/such.jsonl"], "--sft-data: no file no/such.jsonl"),
     ("rollout.py", ["--group-size", "0"], "--group-size: must be an integer >= 1, got 0"),
-    ("env.py", ["no/such.jsonl"], "no file no/such.jsonl"),
+    ("protocols.py", ["no/such.jsonl"], "no file no/such.jsonl"),
     ("data/teacher.py", ["--data", "no/such.jsonl", "--out", "t.jsonl"], "--data: no file"),
     ("data/teacher.py", ["--data", ROOT / "README.md"], "the following arguments are required: --out"),
     ("data/spider/prepare.py", ["--spider-dir", "no/such/dir"], "Spider folder not found"),

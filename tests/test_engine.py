@@ -11,20 +11,8 @@ import engine
 from golden_rollouts import FAMILIES, GOLDEN, family_model, golden_rollout
 from test_rollout import replay_logprobs, run, trust_answer, trust_call
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models' ops are too small to split across threads; on a shared 2-core box threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from model import load_model
-    return load_model("tiny")
 
 # -----------------------------------------------------------------------------
 # 1. the same tokens as the engine before the static step

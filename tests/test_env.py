@@ -1,4 +1,4 @@
-"""env.py: the read-only sandbox, result comparison, observations, protocol parsers and episodes.
+"""env.py: the read-only sandbox, result comparison, observations and episodes.
 
     python -m pytest -q tests/test_env.py
 """
@@ -17,6 +17,8 @@ import time
 import pytest
 
 import env
+import protocols
+from conftest import build_db
 
 RUNAWAYS = {  # each runs for minutes without the timeout
     "recursive CTE without LIMIT": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
@@ -29,28 +31,6 @@ RUNAWAYS = {  # each runs for minutes without the timeout
 # fixtures: small databases built in tmp_path (so the sandbox tests need no Spider download, and file-level checks see
 # only what we did); the episode and real-query tests use the Spider dev set itself
 
-PETS_DDL = [  # Spider's pets_1 schema; the fixture holds its 3 pets and 3 of its students
-    "CREATE TABLE Student (StuID INTEGER PRIMARY KEY, LName VARCHAR(12), Fname VARCHAR(12), Age INTEGER, "
-    "Sex VARCHAR(1), Major INTEGER, Advisor INTEGER, city_code VARCHAR(3))",
-    "CREATE TABLE Has_Pet (StuID INTEGER, PetID INTEGER, FOREIGN KEY(PetID) REFERENCES Pets(PetID), "
-    "FOREIGN KEY(StuID) REFERENCES Student(StuID))",
-    "CREATE TABLE Pets (PetID INTEGER PRIMARY KEY, PetType VARCHAR(20), pet_age INTEGER, weight REAL)",
-]
-
-
-def _build(path, ddl, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA synchronous = OFF")  # a throwaway file: skip the fsyncs (~80 ms per fixture)
-    for sql in ddl:
-        conn.execute(sql)
-    for table, values in rows.items():
-        conn.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * len(values[0]))})", values)
-    conn.commit()
-    conn.close()
-    return path
-
-
 def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -60,20 +40,11 @@ def _temp_files():
     return {f for d in dirs if os.path.isdir(d) for f in os.listdir(d) if f.startswith("etilqs_")}
 
 
-@pytest.fixture
-def pets(tmp_path):
-    students = [(1001, "Smith", "Linda", 18, "F", 600, 1121, "BAL"), (1002, "Kim", "Tracy", 19, "F", 600, 7712, "HKG"),
-                (1003, "Jones", "Shiela", 21, "F", 600, 7792, "WAS")]
-    return _build(tmp_path / "pets_1" / "pets_1.sqlite", PETS_DDL, {
-        "Student": students, "Has_Pet": [(1001, 2001), (1002, 2002), (1002, 2003)],
-        "Pets": [(2001, "cat", 3, 12.0), (2002, "dog", 2, 13.4), (2003, "dog", 1, 9.3)]})
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):  # a 4,000-row city table: a 3-way self-join is 6.4e10 rows, minutes without the timeout
     cities = [(i, f"City {i:04d}", f"C{i % 50:02d}") for i in range(1, 4001)]
     ddl = ["CREATE TABLE city (ID INTEGER PRIMARY KEY, Name TEXT, CountryCode TEXT)"]
-    return _build(tmp_path_factory.mktemp("world_1") / "world_1.sqlite", ddl, {"city": cities})
+    return build_db(tmp_path_factory.mktemp("world_1") / "world_1.sqlite", ddl, {"city": cities})
 
 
 def _example(db_path, question="How many pets are there?", gold="SELECT count(*) FROM Pets"):
@@ -360,18 +331,18 @@ def test_errors_and_observations_are_capped(pets):
     assert r.error.startswith("no such table: ttt") and len(r.error) <= env.MAX_ERROR_CHARS + 40
     huge = env.SQLResult([], [], "x" * 90_000, False, 0.0)  # a result from somewhere other than run_sql
     assert len(env.format_observation(huge, max_chars=4000)) <= 4000 + 40
-    ep = env.new_episode(_example(pets), "trail", max_turns=5)
+    ep = env.new_episode(_example(pets), protocols.get("trail"), max_turns=5)
     obs, _ = env.step(ep, "<reasoning>x</reasoning><sql>SELECT * FROM " + "t" * 90_000 + "</sql>")
     assert len(obs) < 1000 and len(ep.exec_errors[0]) <= env.MAX_ERROR_CHARS + 40
     def echo(text):  # a parser that echoes the malformed turn back in its feedback
         return env.Action("invalid", None, None, False, text)
-    env.PROTOCOLS["trail-echo-test"] = dataclasses.replace(env.PROTOCOLS["trail"], name="trail-echo-test",
+    protocols.PROTOCOLS["trail-echo-test"] = dataclasses.replace(protocols.PROTOCOLS["trail"], name="trail-echo-test",
                                                            parse_turn=echo)
     try:
-        obs, _ = env.step(env.new_episode(_example(pets), "trail-echo-test", 5), "junk " * 50_000)
+        obs, _ = env.step(env.new_episode(_example(pets), protocols.get("trail-echo-test"), 5), "junk " * 50_000)
         assert len(obs) < env.MAX_ERROR_CHARS + 500
     finally:
-        env.PROTOCOLS.pop("trail-echo-test")
+        protocols.PROTOCOLS.pop("trail-echo-test")
 
 
 def test_a_nan_timeout_is_an_error_not_forever(pets):
@@ -474,111 +445,11 @@ def test_describe_schema_styles(pets):
         env.describe_schema(pets, "yaml")
 
 # -----------------------------------------------------------------------------
-# protocol parsers
-
-
-TOOL = '{"name": "execute_sql_query", "arguments": {"db_id": "pets_1", "sql": "SELECT count(*) FROM Pets"}}'
-JUNK = "<think>" + "a<b>c</d>{" * 10_000  # 100k characters of unbalanced junk
-
-
-def test_trust_well_formed_turns():
-    a = env.parse_trust(f"<think>look</think>\n<action>explore_schema</action>\n<tool_call>\n{TOOL}\n</tool_call>")
-    assert (a.name, a.sql, a.valid) == ("explore_schema", "SELECT count(*) FROM Pets", True)
-    schema = '{"tables": ["Pets"], "columns": {"Pets": ["PetID"]}}'
-    a = env.parse_trust(f"<think>commit</think><action>propose_schema</action><schema>{schema}</schema>")
-    assert a.name == "propose_schema" and a.valid and a.schema == {"tables": ["Pets"], "columns": {"Pets": ["PetID"]},
-                                                                   "joins": []}
-    a = env.parse_trust("<think>done</think><action>confirm_answer</action><answer>\nSELECT 1\n</answer>")
-    assert (a.name, a.sql, a.valid) == ("confirm_answer", "SELECT 1", True)
-    multiline = TOOL.replace("SELECT count(*)", "SELECT\n count(*)")  # raw newline inside a JSON string
-    assert env.parse_trust(f"<think>x</think><action>generate_sql</action><tool_call>{multiline}</tool_call>").sql
-
-
-@pytest.mark.parametrize("text, reason", [
-    ("<think>x</think><action>generate_sql</action><tool_call>{not json}</tool_call>", "not valid JSON"),
-    ("<think>x</think><tool_call>" + TOOL + "</tool_call>", "missing <action>"),
-    ("<think>x</think><action>generate_sql</action><tool_call>" + TOOL, "unclosed <tool_call>"),
-    ("<think>x</think><action>generate_sql</action><tool_call>" + TOOL + "</tool_call><action>confirm_answer"
-     "</action><answer>SELECT 1</answer>", "more than one <action>"),
-    ("<think>x</think><action>generate_sql</action><tool_call>" + TOOL + "</tool_call><answer>SELECT 1</answer>",
-     "more than one content block"),
-    ("<think>x</think><action>generate_sql</action><answer>SELECT 1</answer>", "needs a <tool_call>"),
-    ("<think>x</think><action>run_sql</action><answer>SELECT 1</answer>", "unknown action"),
-    ("<think>x</think><action>confirm_answer</action><answer>  </answer>", "empty SQL"),
-    ('<think>x</think><action>generate_sql</action><tool_call>{"name": "execute_sql_query", "arguments": '
-     '{"db_id": "pets_1", "sql": ""}}</tool_call>', "empty SQL"),
-    ('<think>x</think><action>propose_schema</action><schema>{"tables": "Pets"}</schema>', "<schema> must be"),
-    (JUNK, "unclosed <think>"),
-    (None, "not text"),
-])
-def test_trust_malformed_turns_become_invalid_actions(text, reason):
-    a = env.parse_trust(text)
-    assert a.name == "invalid" and not a.valid and a.sql is None and reason in a.feedback
-    assert len(a.feedback) < 300  # never echoes 100k characters back
-
-
-def test_trust_missing_think_is_carried_out_but_fails_the_format_check():
-    a = env.parse_trust(f"<action>generate_sql</action><tool_call>{TOOL}</tool_call>")
-    assert a.name == "generate_sql" and a.sql and not a.valid and "missing <think>" in a.feedback
-    a = env.parse_trust(f"<think>a</think><think>b</think><action>generate_sql</action><tool_call>{TOOL}</tool_call>")
-    assert not a.valid and "more than one <think>" in a.feedback
-
-
-@pytest.mark.parametrize("proto, think, call, answer", [
-    ("trail", "reasoning", "sql", "solution"), ("skyrl", "think", "sql", "solution")])
-def test_trail_and_skyrl_parsers(proto, think, call, answer):
-    parse = env.PROTOCOLS[proto].parse_turn
-    a = parse(f"<{think}>count</{think}>\n<{call}>SELECT count(*) FROM Pets</{call}>")
-    assert (a.name, a.sql, a.valid) == ("sql", "SELECT count(*) FROM Pets", True)
-    a = parse(f"<{think}>done</{think}><{answer}>SELECT 1;</{answer}>")
-    assert (a.name, a.sql, a.valid) == ("answer", "SELECT 1;", True)
-    assert not parse(f"<{call}>SELECT 1</{call}>").valid and parse(f"<{call}>SELECT 1</{call}>").sql == "SELECT 1"
-    for bad, reason in [(f"<{think}>x</{think}>", "no <"), (f"<{think}>x</{think}><{call}>SELECT 1", "unclosed"),
-                        (f"<{think}>x</{think}><{call}>SELECT 1</{call}><{call}>SELECT 2</{call}>", "more than one"),
-                        (f"<{think}>x</{think}><{call}>SELECT 1</{call}><{answer}>SELECT 1</{answer}>", "more than one"),
-                        (f"<{think}>x</{think}><{call}> </{call}>", "empty SQL"), (JUNK, ""), (12, "not text")]:
-        a = parse(bad)
-        assert a.name == "invalid" and not a.valid and reason in a.feedback
-
-
-def test_mtir_parser_and_rethink_feedback(pets):
-    parse = env.PROTOCOLS["mtir"].parse_turn
-    call = '{"name": "sql-execute_sql_query", "arguments": {"db_name": "pets_1", "sql": "SELECT 1"}}'
-    a = parse(f"<think>check</think>\n<tool_call>\n{call}\n</tool_call>")
-    assert (a.name, a.sql, a.valid) == ("sql", "SELECT 1", True)
-    a = parse("<think>final</think><answer>```sql\nSELECT count(*) FROM Pets\n```</answer>")
-    assert (a.name, a.sql) == ("answer", "SELECT count(*) FROM Pets")
-    assert parse("<think>final</think><answer> ```sql SELECT 2 </answer>").sql == "SELECT 2"  # the paper's unclosed fence
-    assert parse("<think>x</think><tool_call>{bad json</tool_call>").name == "invalid"
-    assert parse(f"<think>x</think><tool_call>{call}</tool_call><answer>SELECT 1</answer>").name == "invalid"
-    ep = env.new_episode(_example(pets), "mtir", max_turns=3)
-    obs, done = env.step(ep, "I think the answer is 3.")
-    assert not done and "My action is not correct. Let me rethink." in obs and "You have 2 turns left" in obs
-
-
-@pytest.mark.parametrize("proto", sorted(env.PROTOCOLS))
-@pytest.mark.parametrize("schema_mode", env.SCHEMA_MODES)
-def test_prompts_for_every_protocol_and_schema_mode(pets, proto, schema_mode):
-    p = env.PROTOCOLS[proto]
-    msgs = p.build_messages(_example(pets), schema_mode, 6)
-    assert [m["role"] for m in msgs[:2]] == ["system", "user"]
-    assert "How many pets are there?" in msgs[1]["content"] and "6 turns" in msgs[1]["content"]
-    has_schema = "PetType" in msgs[1]["content"]
-    assert has_schema == (schema_mode == "prompt")
-    if schema_mode == "explore_turn":  # the synthetic explore turn is a well-formed tool call + its observation
-        assert [m["role"] for m in msgs[2:]] == ["assistant", p.obs_role]
-        a = p.parse_turn(msgs[2]["content"])
-        assert a.valid and a.sql == env.SCHEMA_SQL
-        assert "CREATE TABLE Pets" in msgs[3]["content"] and "You have 6 turns left" in msgs[3]["content"]
-    else:
-        assert len(msgs) == 2
-
-# -----------------------------------------------------------------------------
 # episodes on a real Spider database
 
 
 def test_trust_episode_explore_propose_generate_confirm(spider_pets):
-    ep = env.new_episode(spider_pets, "trust", max_turns=6)
+    ep = env.new_episode(spider_pets, protocols.get("trust"), max_turns=6)
     explore = ('<think>which tables?</think><action>explore_schema</action><tool_call>{"name": "execute_sql_query", '
                '"arguments": {"db_id": "../../etc/passwd", "sql": "SELECT name FROM sqlite_master WHERE type = '
                '\'table\'"}}</tool_call>')
@@ -607,7 +478,7 @@ def test_trust_episode_explore_propose_generate_confirm(spider_pets):
 
 
 def test_episode_runs_out_of_turns_and_accepts_batched_results(spider_pets):
-    ep = env.new_episode(spider_pets, "trail", max_turns=2, schema_mode="prompt")
+    ep = env.new_episode(spider_pets, protocols.get("trail"), max_turns=2, schema_mode="prompt")
     turn = "<reasoning>look</reasoning><sql>SELECT PetType FROM Pets</sql>"
     [result] = env.run_many([(ep.example["db_path"], env.pending_sql(ep, turn))], workers=2)
     obs, done = env.step(ep, turn, result)
@@ -622,11 +493,13 @@ def test_episode_runs_out_of_turns_and_accepts_batched_results(spider_pets):
 def test_new_episode_rejects_bad_arguments(pets):
     ex = _example(pets)
     with pytest.raises(ValueError, match="unknown protocol"):
-        env.new_episode(ex, "react", 3)
+        protocols.get("react")
+    with pytest.raises(ValueError, match="takes a Protocol"):
+        env.new_episode(ex, "trust", 3)
     with pytest.raises(ValueError, match="schema_mode"):
-        env.new_episode(ex, "trust", 3, schema_mode="full")
+        env.new_episode(ex, protocols.get("trust"), 3, schema_mode="full")
     with pytest.raises(ValueError, match="max_turns"):
-        env.new_episode(ex, "trust", 0)
+        env.new_episode(ex, protocols.get("trust"), 0)
 
 # -----------------------------------------------------------------------------
 # load_examples
@@ -656,26 +529,26 @@ def test_prompt_keeps_braces_in_question_verbatim(tmp_path):
     sqlite3.connect(db).close()
     ex = {"id": "q", "db_id": "t", "db_path": str(db), "question": "What does {max_turns} mean?",
           "evidence": "see {question}", "gold_sql": "SELECT 1", "difficulty": "easy", "source": "test"}
-    for name, proto in env.PROTOCOLS.items():
+    for name, proto in protocols.PROTOCOLS.items():
         text = "\n".join(m["content"] for m in proto.build_messages(ex, "none", 5))
         assert "What does {max_turns} mean?" in text, name
         assert "see {question}" in text, name
 
 
 def test_out_of_turns_sql_trail_forces_one_final_answer_turn(pets):
-    trail = env.protocol_variant("trail", False, 0, force_final=True)
+    trail = protocols.protocol_variant("trail", False, 0, force_final=True)
     query, answer = "<reasoning>r</reasoning><sql>SELECT 1</sql>", "<reasoning>r</reasoning><solution>SELECT 1</solution>"
-    ep = env.new_episode(_example(pets), trail, max_turns=2)
+    ep = env.new_episode(_example(pets), protocols.get(trail), max_turns=2)
     env.step(ep, query)
     obs, done = env.step(ep, query)  # the budget is spent without an answer: Alg. 1 line 31 asks for one
     assert not done and "no turns left" in obs and "<solution>" in obs
     assert env.pending_sql(ep, query) is None  # the forced turn runs no SQL...
     obs, done = env.step(ep, answer)  # ...and an answer in it is the episode's answer, scored as any other
     assert done and ep.stop_reason == "answer" and ep.final_sql == "SELECT 1" and len(ep.actions) == 3
-    ep = env.new_episode(_example(pets), trail, max_turns=2)
+    ep = env.new_episode(_example(pets), protocols.get(trail), max_turns=2)
     env.step(ep, query), env.step(ep, query)
     _, done = env.step(ep, query)  # a forced turn that queries again ends the episode unanswered
     assert done and ep.stop_reason == "max_turns" and ep.final_sql is None and ep.num_tool_calls == 2
-    plain = env.new_episode(_example(pets), "trail", max_turns=2)
+    plain = env.new_episode(_example(pets), protocols.get("trail"), max_turns=2)
     env.step(plain, query)
     assert env.step(plain, query) == (None, True) and plain.stop_reason == "max_turns"

@@ -17,11 +17,6 @@ CHAT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return M.load_model("tiny", seed=0)
-
-
 def contains(seq, sub):
     return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 

@@ -338,8 +338,9 @@ def test_gold_executed_once(singer_example, monkeypatch):
 def test_recipes_on_real_env_episodes(singer_example):
     # the same contract through env's own parser and state machine (what rollout.py produces)
     import env
+    import protocols
     call = lambda sql: '{"name": "execute_sql_query", "arguments": {"db_id": "concert_singer", "sql": "%s"}}' % sql
-    ep = env.new_episode(singer_example, "trust", max_turns=6)
+    ep = env.new_episode(singer_example, protocols.get("trust"), max_turns=6)
     for turn in [
         f"<think>tables?</think><action>explore_schema</action><tool_call>{call('PRAGMA table_info(singer)')}"
         "</tool_call>",
@@ -353,7 +354,7 @@ def test_recipes_on_real_env_episodes(singer_example):
     r = REWARDS["trust"](_traj(ep), singer_example)
     assert (r["full"], r["schema"]) == (pytest.approx(1.1), 1.0)
 
-    ep = env.new_episode(singer_example, "trail", max_turns=5)
+    ep = env.new_episode(singer_example, protocols.get("trail"), max_turns=5)
     env.step(ep, "<reasoning>look</reasoning><sql>SELECT * FROM singer LIMIT 3</sql>")
     env.step(ep, f"<reasoning>answer</reasoning><solution>{RIGHT}</solution>")
     assert REWARDS["trail"](_traj(ep), singer_example)["full"] == pytest.approx(11.0)

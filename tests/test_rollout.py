@@ -11,24 +11,13 @@ import pytest
 import torch
 
 import env
+import protocols
 import rollout
 from model import load_model
 
 MAX_NEW, MAX_TOTAL = 80, 4096
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are too small to split across threads; on a shared 2-core box threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trust_call(sql, db_id="db"):
@@ -145,7 +134,7 @@ def test_continuous_batching_decodes_each_row_as_the_full_batch_does(tiny, examp
 @pytest.mark.parametrize("protocol", ["trust", "trail"])
 def test_token_ids_equal_template_of_whole_conversation(tiny, examples, protocol):
     model, tokenizer = tiny
-    proto = env.PROTOCOLS[protocol]
+    proto = protocols.PROTOCOLS[protocol]
     if protocol == "trust":
         turns = [trust_call("SELECT name FROM sqlite_master"), trust_call("SELECT nope FROM nowhere"),
                  trust_answer("SELECT 1")]
@@ -157,7 +146,7 @@ def test_token_ids_equal_template_of_whole_conversation(tiny, examples, protocol
     assert traj.stop_reason == "answer" and traj.num_turns == 3
 
     # the same conversation through the chat template, with observations from a fresh episode
-    episode = env.new_episode(examples[0], protocol, 4)
+    episode = env.new_episode(examples[0], protocols.get(protocol), 4)
     messages = proto.build_messages(examples[0], "none", 4)
     for turn in turns:
         text = turn if isinstance(turn, str) else tokenizer.decode(turn, skip_special_tokens=True)

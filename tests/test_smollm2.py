@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import env
+import protocols
 import rollout
 import train
 from grpo import GRPOConfig, build_batch, grpo_step, token_logprobs
@@ -41,7 +42,7 @@ def trust_turn(example, sql, answer=False):
 
 def test_two_turn_rollout_is_its_chat_template_and_replays(smol, examples):
     model, tokenizer = smol
-    proto = env.PROTOCOLS["trust"]
+    proto = protocols.PROTOCOLS["trust"]
     batch = examples[:2]
     # turn 0: a scripted tool call (real observation); turn 1: SmolLM2 samples 16 tokens of its own, then eos
     scripts = {r: [trust_turn(ex, "SELECT name FROM sqlite_master WHERE type = 'table'"), 16]
@@ -52,7 +53,7 @@ def test_two_turn_rollout_is_its_chat_template_and_replays(smol, examples):
     for traj, ex in zip(trajs, batch):
         assert traj.num_turns == 2 and traj.num_tool_calls == 1
         # the same conversation through SmolLM2's chat template, observations from a fresh episode
-        episode, messages = env.new_episode(ex, "trust", 2), proto.build_messages(ex, "none", 2)
+        episode, messages = env.new_episode(ex, protocols.get("trust"), 2), proto.build_messages(ex, "none", 2)
         turn_tokens = {}
         for i, t in enumerate(traj.turn_ids):
             if traj.loss_mask[i]:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 import env
+import protocols
 from data.teacher import break_sql, check_trajectory, teach, teach_all, write_teacher_data
 
 PROTOCOLS = ["trust", "trail", "mtir", "skyrl"]
@@ -71,14 +72,14 @@ def test_mtir_tool_calls_use_the_name_in_mtirs_prompt(gym_examples):
     calls = [m["content"].split("<tool_call>")[1].split("</tool_call>")[0] for m in rec["messages"]
              if m["role"] == "assistant" and "<tool_call>" in m["content"]]
     assert calls and all(json.loads(c)["name"] == "sql-execute_sql_query" for c in calls)
-    assert '"sql-execute_sql_query"' in env.PROTOCOLS["mtir"].build_messages(gym_examples[0], "none", 10)[0]["content"]
+    assert '"sql-execute_sql_query"' in protocols.PROTOCOLS["mtir"].build_messages(gym_examples[0], "none", 10)[0]["content"]
 
 
 def test_repaired_first_attempt_shows_the_error_and_still_passes(gym_examples):
     recs = [teach(ex, "trust", max_turns=10, seed=0, repair_rate=1.0)[0] for ex in gym_examples[:8]]
     repaired = [r for r in recs if r is not None and r["repaired"]]
     assert repaired, "repair_rate=1.0 should produce failing first attempts"
-    obs = [m["content"] for m in repaired[0]["messages"] if m["role"] == env.PROTOCOLS["trust"].obs_role]
+    obs = [m["content"] for m in repaired[0]["messages"] if m["role"] == protocols.PROTOCOLS["trust"].obs_role]
     assert any("Error" in o for o in obs)
     assert_valid(repaired, gym_examples)
 
@@ -105,8 +106,8 @@ def test_check_rejects_wrong_answer_and_forged_observation(gym_examples):
     wrong["messages"][-1]["content"] = last.split("<solution>")[0] + "<solution>SELECT 12345</solution>"
     assert check_trajectory(wrong, ex) == (False, "final SQL does not match gold")
     forged = copy.deepcopy(rec)
-    i = next(i for i, m in enumerate(forged["messages"]) if m["role"] == env.PROTOCOLS["skyrl"].obs_role
-             and i > len(env.PROTOCOLS["skyrl"].build_messages(ex, "none", 10)))
+    i = next(i for i, m in enumerate(forged["messages"]) if m["role"] == protocols.PROTOCOLS["skyrl"].obs_role
+             and i > len(protocols.PROTOCOLS["skyrl"].build_messages(ex, "none", 10)))
     forged["messages"][i]["content"] += " 42"
     ok, reason = check_trajectory(forged, ex)
     assert not ok and "observation" in reason
@@ -204,7 +205,7 @@ def test_prefilled_schema_skips_listing_but_still_validates(gym_examples, schema
     kept, dropped = teach_all(gym_examples[:8], "trust", max_turns=10, schema_mode=schema_mode, seed=0)
     assert len(kept) == 8, dropped
     assert_valid(kept, gym_examples)
-    first = next(m["content"] for m in kept[0]["messages"][len(env.PROTOCOLS["trust"].build_messages(
+    first = next(m["content"] for m in kept[0]["messages"][len(protocols.PROTOCOLS["trust"].build_messages(
         gym_examples[0], schema_mode, 10)):] if m["role"] == "assistant")
     assert "type = 'table' AND name IN" in first  # verifies the needed tables instead of listing them all
 

@@ -14,17 +14,13 @@ import torch
 
 import cli
 import env
+import protocols
 import train
 from data.spider.prepare import spider_sample
 from data.teacher import load_sft_data, tokenize_chat
 from model import latest_checkpoint, load_model, load_trainer_state, load_weights, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +105,7 @@ def test_sft_tokens_equal_the_template_and_mask_only_agent_tokens(tiny, teacher_
     trained = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
     agent = "".join(m["content"] + tok.eos_token for m in messages if m["role"] == "assistant")
     assert trained == agent  # exactly the agent's turns and their eos: no prompt, no observation, no role header
-    obs_role = env.PROTOCOLS["trust"].obs_role
+    obs_role = protocols.PROTOCOLS["trust"].obs_role
     assert any(m["role"] == obs_role and "Error" in m["content"] for m in messages)  # observations are there...
     assert "Error" not in trained  # ...and masked
 
