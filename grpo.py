@@ -196,6 +196,42 @@ class GRPOConfig:
     pad_id: int = 0
 
 
+@dataclass
+class Tracks:
+    """The rewards and advantages of both tracks; schema is all zeros unless the schema track is on (dual)."""
+    r_full: torch.Tensor      # (N,) float64, with --naive-schema-weight's share of the schema reward folded in
+    r_schema: torch.Tensor    # (N,)
+    adv_full: torch.Tensor    # (N,)
+    adv_schema: torch.Tensor  # (N,)
+    keep: torch.Tensor        # (N,) bool: rows MTIR's trajectory filter keeps (all without it)
+    dual: bool
+
+
+def advantages(trajs, rewards, cfg: GRPOConfig) -> Tracks:
+    """Group advantages of the terminal track and, when it is on, the schema track, over the rows the trajectory
+    filter keeps."""
+    N = len(trajs)
+    r_full = torch.tensor([r["full"] for r in rewards], dtype=torch.float64)
+    r_schema = torch.tensor([r.get("schema") or 0.0 for r in rewards], dtype=torch.float64)
+    has_schema = any(r.get("schema") is not None for r in rewards)
+    if cfg.naive_schema_weight:  # single track: the schema reward joins the terminal reward
+        r_full = r_full + cfg.naive_schema_weight * r_schema
+        has_schema = False
+    dual = has_schema and cfg.schema_lambda > 0
+    keep = torch.tensor([trajectory_ok(t) for t in trajs] if cfg.trajectory_filter else [True] * N, dtype=torch.bool)
+    adv_full = group_advantages(r_full, cfg.group_size, cfg.adv_eps, cfg.scale_std, keep)
+    adv_schema = torch.zeros(N)
+    if dual:
+        adv_schema = group_advantages(r_schema, cfg.group_size, cfg.adv_eps, cfg.scale_std, keep)
+    return Tracks(r_full, r_schema, adv_full, adv_schema, keep, dual)
+
+
+def group_signal(tracks: Tracks, group_size):
+    """(groups,) bool: does a group move the policy at all, some kept row with a nonzero advantage on a track the
+    loss uses? DAPO's refill (train.rollout_with_signal) asks this of fresh groups; grpo_step drops the rest."""
+    return ((tracks.adv_full != 0) | (tracks.adv_schema != 0)).reshape(-1, group_size).any(1)
+
+
 def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None):
     """One GRPO update on group-major trajectories (group g = rows g·G .. g·G+G-1) and their reward dicts
     (REWARDS output: "full" and "schema"). Under torch.distributed every rank calls it with its own whole groups
@@ -207,21 +243,19 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     if (N // G) % cfg.mini_batches:
         raise ValueError(f"{N // G} groups on this rank do not split into {cfg.mini_batches} mini-batches")
     device = next(model.parameters()).device
-    r_full = torch.tensor([r["full"] for r in rewards], dtype=torch.float64)
-    r_schema = torch.tensor([r.get("schema") or 0.0 for r in rewards], dtype=torch.float64)
-    has_schema = any(r.get("schema") is not None for r in rewards)
-    if cfg.naive_schema_weight:  # single track: the schema reward joins the terminal reward
-        r_full, has_schema = r_full + cfg.naive_schema_weight * r_schema, False
-    dual = has_schema and cfg.schema_lambda > 0
 
     # --- advantages and filters (each filter counts what it removed)
-    keep = torch.tensor([trajectory_ok(t) for t in trajs] if cfg.trajectory_filter else [True] * N, dtype=torch.bool)
-    adv_full = group_advantages(r_full, G, cfg.adv_eps, cfg.scale_std, keep)
-    adv_schema = group_advantages(r_schema, G, cfg.adv_eps, cfg.scale_std, keep) if dual else torch.zeros(N)
+    tracks = advantages(trajs, rewards, cfg)
+    r_full = tracks.r_full
+    r_schema = tracks.r_schema
+    adv_full = tracks.adv_full
+    adv_schema = tracks.adv_schema
+    keep = tracks.keep
+    dual = tracks.dual
     rows = keep.clone()
     flat_groups = torch.zeros(N // G, dtype=torch.bool)
     if cfg.dynamic_sampling:  # DAPO: a group with no signal on any track only dilutes the token mean
-        flat_groups = ((adv_full == 0) & (adv_schema == 0)).reshape(-1, G).all(1)
+        flat_groups = ~group_signal(tracks, G)
         rows &= ~flat_groups.repeat_interleave(G)
     truncated = torch.tensor([t.stop_reason in TRUNCATED for t in trajs], dtype=torch.bool)
     if cfg.mask_truncated:

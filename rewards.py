@@ -321,12 +321,16 @@ def turn_budget(difficulty: str, max_turns: int) -> int:
     return min(max_turns, max(floor, math.ceil(max_turns * share)))
 
 
-def turn_reward(difficulty: str, turns: int, exec_ok: bool, budget: int) -> float:
+def turn_reward(difficulty: str, turns: int, exec_ok: bool, budget: int, answered: bool = True) -> float:
     """SQL-Trail eq. 7: 1 if simple and t<=2, medium and t<=3, or hard/extra and correct and t<T; else 0.
-    Labels of every dataset we load are accepted, in any case (LEVELS)."""
+    t is "the finishing turn number" (A.4), and a trajectory finishes with its <solution> (Algorithm 1): one that
+    never answered, cut by a limit or out of turns, has no finishing turn and earns 0. Labels of every dataset we
+    load are accepted, in any case (LEVELS)."""
     level = LEVELS.get(str(difficulty).strip().lower())
     if level is None:
         raise ValueError(f"unknown difficulty {difficulty!r}; expected one of {sorted(LEVELS)} (any case)")
+    if not answered:
+        return 0.0
     if level == "simple":
         return float(turns <= 2)
     if level == "medium":
@@ -382,7 +386,8 @@ def trail_reward(traj, example):
     outcome = execution_outcome(ep.final_sql, example)
     parts = {
         "exec": exec_binary(outcome),
-        "turns": turn_reward(example["difficulty"], traj.num_turns, outcome == "correct", ep.max_turns),
+        "turns": turn_reward(example["difficulty"], traj.num_turns, outcome == "correct", ep.max_turns,
+                             answered=ep.final_sql is not None),
         "schema_jaccard": schema_jaccard(safe_schema_items(ep.final_sql, example["db_path"]), gold_items(example)),
         "bigram": bigram_jaccard(ep.final_sql, example["gold_sql"]),
         "syntax": syntax_reward(outcome),

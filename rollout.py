@@ -288,48 +288,6 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
                     cache.keep(keep)
     return [row.traj for row in rows]
 
-def rollout_with_signal(model, tokenizer, prompts, protocol, reward_fn, *, refill=None, rounds=3, seed, group_size,
-                        **rollout_kw):
-    """Rollouts and rewards of prompts, group-major, and stats. With refill (DAPO's dynamic sampling: n -> n fresh
-    prompts), groups whose rewards are all equal carry no gradient, so fresh prompts are rolled, at most `rounds` more
-    times, until len(prompts) groups have signal; flat groups fill the batch only when that cap is hit."""
-    G = group_size
-    kept = []    # groups with reward variance
-    flat = []    # groups without
-    done = 0     # rounds rolled out
-    batch = prompts
-    while True:
-        trajs = rollout(model, tokenizer, batch, protocol, seed=seed + 7 * done, group_size=G, **rollout_kw)
-        rewards = [reward_fn(t, t.example) for t in trajs]
-        for g in range(len(batch)):
-            group = (trajs[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G])
-            signal = len({r["full"] for r in group[1]}) > 1 or len({r.get("schema") for r in group[1]}) > 1
-            (kept if signal or refill is None else flat).append(group)
-        done += 1
-        if len(kept) >= len(prompts) or done > rounds or refill is None:
-            break
-        batch = refill(len(prompts))
-    groups = (kept + flat)[:len(prompts)]
-    stats = {"ds_rounds": done, "ds_signal_groups": min(len(kept), len(prompts)),
-             "ds_cap_hit": len(kept) < len(prompts)} if refill is not None else {}
-    return [t for g in groups for t in g[0]], [r for g in groups for r in g[1]], stats
-
-def rollout_metrics(trajs, rewards):
-    """Means over a step's trajectories on all ranks: every numeric reward term, EX, turns, tool calls, tokens."""
-    keys = sorted({k for r in rewards for k, v in r.items() if isinstance(v, (int, float))})
-    local = {f"reward_{k}": sum(float(r.get(k) or 0.0) for r in rewards) for k in keys}
-    local |= {"ex": sum(r["correct"] for r in rewards), "turns": sum(t.num_turns for t in trajs),
-              "tool_calls": sum(t.num_tool_calls for t in trajs),
-              "sampled_tokens": sum(sum(t.loss_mask) for t in trajs),
-              "seq_tokens": sum(len(t.token_ids) for t in trajs),
-              "answered": sum(t.episode.final_sql is not None for t in trajs), "n": len(trajs)}
-    total = torch.tensor(list(local.values()), dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(total)
-    total = dict(zip(local, total.tolist()))
-    n = max(total.pop("n"), 1)
-    return {k: v / n for k, v in total.items()}
-
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ sys.path.insert(0, str(ROOT))
 import cli  # noqa: E402
 import env  # noqa: E402
 import protocols  # noqa: E402
+import rollout  # noqa: E402
 from data.spider.prepare import spider_sample  # noqa: E402
 from data.teacher import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
 from eval import Logger, evaluate_ex, pass_rates, report, trained_settings  # noqa: E402
+from grpo import GRPOConfig, advantages, group_signal, grpo_step  # noqa: E402
 from model import (all_reduce_sum, barrier, distribute, latest_checkpoint, load_model,  # noqa: E402
                    load_trainer_state, load_weights, make_optimizer, reference_model, replaceable_checkpoints, resolve,
                    resolve_dtype, save_checkpoint, setup_distributed, take)
@@ -290,11 +292,61 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
     model.eval()
 
 
+def rollout_with_signal(model, tokenizer, prompts, protocol, reward_fn, cfg, *, refill=None, rounds=3, seed,
+                        **rollout_kw):
+    """Rollouts and rewards of prompts, group-major, and stats. With refill (DAPO's dynamic sampling: n -> n fresh
+    prompts), a group that would not move the policy (grpo.group_signal: every advantage the loss uses is zero) is
+    set aside and fresh prompts are rolled, at most `rounds` more times, until len(prompts) groups have signal; the
+    set-aside groups fill the batch only when that cap is hit."""
+    G = rollout_kw["group_size"]
+    if cfg.group_size != G:
+        raise ValueError(f"GRPO's group size {cfg.group_size} is not the rollout's {G}")
+    kept = []    # groups with signal
+    flat = []    # groups without
+    done = 0     # rounds rolled out
+    batch = prompts
+    while True:
+        trajs = rollout.rollout(model, tokenizer, batch, protocol, seed=seed + 7 * done, **rollout_kw)
+        rewards = [reward_fn(t, t.example) for t in trajs]
+        signal = group_signal(advantages(trajs, rewards, cfg), G).tolist()
+        for g in range(len(batch)):
+            group = (trajs[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G])
+            if signal[g] or refill is None:
+                kept.append(group)
+            else:
+                flat.append(group)
+        done += 1
+        if len(kept) >= len(prompts) or done > rounds or refill is None:
+            break
+        batch = refill(len(prompts))
+    groups = (kept + flat)[:len(prompts)]
+    stats = {}
+    if refill is not None:
+        stats = {"ds_rounds": done, "ds_signal_groups": min(len(kept), len(prompts)),
+                 "ds_cap_hit": len(kept) < len(prompts)}
+    return [t for g in groups for t in g[0]], [r for g in groups for r in g[1]], stats
+
+
+def rollout_metrics(trajs, rewards):
+    """Means over a step's trajectories on all ranks: every numeric reward term, EX, turns, tool calls, tokens."""
+    keys = sorted({k for r in rewards for k, v in r.items() if isinstance(v, (int, float))})
+    local = {f"reward_{k}": sum(float(r.get(k) or 0.0) for r in rewards) for k in keys}
+    local |= {"ex": sum(r["correct"] for r in rewards), "turns": sum(t.num_turns for t in trajs),
+              "tool_calls": sum(t.num_tool_calls for t in trajs),
+              "sampled_tokens": sum(sum(t.loss_mask) for t in trajs),
+              "seq_tokens": sum(len(t.token_ids) for t in trajs),
+              "answered": sum(t.episode.final_sql is not None for t in trajs), "n": len(trajs)}
+    total = torch.tensor(list(local.values()), dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    total = dict(zip(local, total.tolist()))
+    n = max(total.pop("n"), 1)
+    return {k: v / n for k, v in total.items()}
+
+
 def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
     """Multi-turn GRPO: each rank rolls out its share of prompts (whole groups), rewards, one grpo_step. warm: the
     first step's (trajectories, rewards) when the difficulty filter already sampled them."""
-    from grpo import grpo_step
-    from rollout import rollout_metrics, rollout_with_signal
     rank, world, log = ctx["rank"], ctx["world"], ctx["log"]
     opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
     if ckpt is not None:
@@ -317,7 +369,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
             (trajs, rewards), ds = warm, {}
         else:
             trajs, rewards, ds = rollout_with_signal(
-                ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], refill=refill if
+                ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], cfg, refill=refill if
                 args.dynamic_sampling else None, rounds=args.dynamic_sampling_rounds,
                 seed=(args.seed * 100_003 + step) * 1009 + rank, max_rows=args.eval_batch_size, **rollout_kwargs(args))
         t1, lr = time.perf_counter(), sched.get_last_lr()[0]  # the lr this step uses
@@ -340,7 +392,6 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
 
 def grpo_config(args, pad_id):
     """GRPOConfig from the flags; an fp32 sampler has the model's own weights: its log-probs are the old policy's."""
-    from grpo import GRPOConfig
     mini = args.ppo_mini_batch_size or args.rl_batch_size
     return GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
                       eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,

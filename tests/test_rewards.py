@@ -309,6 +309,9 @@ def test_trail_recipe(singer_example):
     r = REWARDS["trail"](_traj(ep), singer_example)
     assert (r["exec"], r["turns"], r["schema_jaccard"], r["syntax"], r["format"]) == (0.0, 0.0, 1.0, 1.0, 1.0)
     assert r["bigram"] == 0.75 and r["full"] == pytest.approx(3.75)
+    # cut by max_tokens in turn 1 of an easy question: no answer, no finishing turn, no turn reward (eq. 7, A.4)
+    r = REWARDS["trail"](_traj(_episode(["invalid"], valid=[False])), singer_example)
+    assert (r["turns"], r["exec"], r["full"]) == (0.0, 0.0, 0.0)
     # broken SQL: schema {singer, singer.nme} vs {singer, singer.name, singer.age} -> 1/4
     r = REWARDS["trail"](_traj(_episode(["answer"], final_sql=BROKEN)), singer_example)
     assert (r["syntax"], r["schema_jaccard"]) == (0.0, pytest.approx(1 / 4))

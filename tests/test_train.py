@@ -14,10 +14,12 @@ import torch
 
 import cli
 import env
+import grpo
 import protocols
 import train
 from data.spider.prepare import spider_sample
 from data.teacher import load_sft_data, tokenize_chat
+from grpo import GRPOConfig
 from model import latest_checkpoint, load_model, load_trainer_state, load_weights, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -406,24 +408,48 @@ def _fake_rollouts(monkeypatch, signal):
     return calls, reward
 
 
+def rollout_with_signal(prompts, reward, cfg=None, **kw):
+    """train.rollout_with_signal on fake rollouts of group size 2."""
+    cfg = cfg or GRPOConfig(group_size=2)
+    return train.rollout_with_signal(None, None, prompts, "trust", reward, cfg, seed=0, group_size=2, **kw)
+
+
 def test_dynamic_sampling_rolls_fresh_prompts_until_every_group_has_signal(monkeypatch):
-    from rollout import rollout_with_signal
     pool = iter([{"id": i} for i in range(2, 20)])
     refill = lambda n: [next(pool) for _ in range(n)]  # noqa: E731
     calls, reward = _fake_rollouts(monkeypatch, signal={3, 5, 6})  # the first batch, prompts 0 and 1, is flat
-    trajs, rewards, ds = rollout_with_signal(None, None, [{"id": 0}, {"id": 1}], "trust", reward, refill=refill,
-                                             rounds=3, seed=0, group_size=2)
+    trajs, rewards, ds = rollout_with_signal([{"id": 0}, {"id": 1}], reward, refill=refill, rounds=3)
     assert calls == [[0, 1], [2, 3], [4, 5]] and ds == {"ds_rounds": 3, "ds_signal_groups": 2, "ds_cap_hit": False}
     assert [t.example["id"] for t in trajs] == [3, 3, 5, 5] and [r["full"] for r in rewards] == [1, 0, 1, 0]
     # no prompt with signal: the cap ends the search, is logged, and the batch keeps its size with the first prompts
     calls, reward = _fake_rollouts(monkeypatch, signal=set())
-    trajs, _, ds = rollout_with_signal(None, None, [{"id": 0}, {"id": 1}], "trust", reward, refill=refill, rounds=2,
-                                       seed=0, group_size=2)
+    trajs, _, ds = rollout_with_signal([{"id": 0}, {"id": 1}], reward, refill=refill, rounds=2)
     assert ds["ds_cap_hit"] and ds["ds_rounds"] == 3 == len(calls) and [t.example["id"] for t in trajs] == [0, 0, 1, 1]
     # without refill (--dynamic-sampling 0) one rollout, flat groups and all
     calls, reward = _fake_rollouts(monkeypatch, signal=set())
-    trajs, _, ds = rollout_with_signal(None, None, [{"id": 0}, {"id": 1}], "trust", reward, seed=0, group_size=2)
+    trajs, _, ds = rollout_with_signal([{"id": 0}, {"id": 1}], reward)
     assert len(calls) == 1 and ds == {} and len(trajs) == 4
+
+
+def test_refill_counts_as_signal_only_what_the_update_learns_from(monkeypatch):
+    """Prompt 0's schema rewards differ and its terminal rewards do not: with the schema track off (lambda 0) the
+    update drops that group, so the refill must replace it; with the track on it is a group to keep."""
+    pool = iter([{"id": i} for i in range(2, 20)])
+
+    def refill(n):
+        return [next(pool) for _ in range(n)]
+    calls, _ = _fake_rollouts(monkeypatch, signal=set())
+
+    def reward(t, ex):
+        return {"full": float(ex["id"] >= 1 and t.k == 0), "schema": float(t.k == 0)}
+    off = GRPOConfig(group_size=2, schema_lambda=0.0)
+    trajs, _, ds = rollout_with_signal([{"id": 0}, {"id": 1}], reward, off, refill=refill, rounds=3)
+    assert calls == [[0, 1], [2, 3]] and [t.example["id"] for t in trajs] == [1, 1, 2, 2]
+    assert grpo.group_signal(grpo.advantages(trajs, [reward(t, t.example) for t in trajs], off), 2).all()
+    calls.clear()
+    on = GRPOConfig(group_size=2, schema_lambda=0.25)
+    trajs, _, ds = rollout_with_signal([{"id": 0}, {"id": 1}], reward, on, refill=refill, rounds=3)
+    assert calls == [[0, 1]] and [t.example["id"] for t in trajs] == [0, 0, 1, 1]
 
 
 def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
