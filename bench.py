@@ -24,7 +24,8 @@ def bench_grpo(args):
     import torch
 
     from grpo import GRPOConfig, grpo_step
-    from model import SHAPES, build_random, compile_layers, load_model
+    from distributed import compile_layers
+    from model import SHAPES, build_random, load_model
 
     def batch(vocab, rows, seq_len, gen):
         # a quarter prompt, then 3 turns: sampled tokens (mask 1) followed by an observation (mask 0)
@@ -107,7 +108,9 @@ def bench_env(args):
     spider = Path(__file__).resolve().parent.parent / "shared" / "data" / "spider"
     if not (spider / "dev.json").exists():
         cli.die(f"bench env needs the Spider dev set at {spider} (dev.json + database/)")
-    db = lambda db_id: spider / "database" / db_id / f"{db_id}.sqlite"  # noqa: E731
+
+    def db(db_id):
+        return spider / "database" / db_id / f"{db_id}.sqlite"
     dev = [d for d in json.loads((spider / "dev.json").read_text()) if db(d["db_id"]).exists()]
     jobs = [(str(db(d["db_id"])), d["query"]) for d in dev]
     jobs = (jobs * (2000 // len(jobs) + 1))[:2000]

@@ -164,12 +164,17 @@ def cache_rows(model, rows, device, dtype, limit):
     if fit == 0:
         raise ValueError(f"one row of {limit + 1:,} KV slots needs {per_row / 1e9:.1f} GB and {free / 1e9:.1f} GB "
                          f"of GPU memory is free: lower --max-total-tokens")
-    note = (f"rollout: {rows} rows x {limit + 1:,} KV slots need {rows * per_row / 1e9:.1f} GB, "
-            f"{free / 1e9:.1f} GB free: decoding {fit} rows at once")
-    if fit < rows and note not in _notes_said:
+    if fit < rows:
+        say_once(f"rollout: {rows} rows x {limit + 1:,} KV slots need {rows * per_row / 1e9:.1f} GB, "
+                 f"{free / 1e9:.1f} GB free: decoding {fit} rows at once")
+    return fit
+
+
+def say_once(note):
+    """Print a note the first time it comes up: rollouts repeat every RL step, and so would their notes."""
+    if note not in _notes_said:
         _notes_said.add(note)
         print(note)
-    return fit
 
 # -----------------------------------------------------------------------------
 # Attention: each row reads its own keys
@@ -354,7 +359,13 @@ def make_decoder(model, cache, decode="auto"):
         cache.reserve(cache.limit + 1)  # a static step's mask spans every slot
     decoder = Decoder(decode, kernel, buckets, check=graphs_env == "check")
     if decode == "graphs":
-        capture(model, cache, decoder)
+        try:
+            capture(model, cache, decoder)
+        except (RuntimeError, TypeError) as e:  # an op this GPU or torch build lacks: the same step, run eagerly
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            say_once(f"rollout: CUDA graph capture failed ({type(e).__name__}: {reason}); decoding eagerly with "
+                     f"masked SDPA (SQLRL_CUDA_GRAPHS=0 skips the attempt)")
+            decoder = Decoder("static", "sdpa", buckets)
     return decoder
 
 

@@ -180,8 +180,8 @@ def _open(db_path, deadline, reasons, timed_out, guard=False):
     try:
         _watch(conn, deadline, timed_out)
         # Big sorts spill to SQLite temp files, which are unlinked the moment they are opened (never left behind,
-        # freed on close). temp_store=MEMORY would keep a runaway ORDER BY's every row in RAM instead: measured
-        # 458 MB after 5 s and 0.6 s past the deadline just to free it, vs 13 MB and 0.06 s with files.
+        # freed on close). temp_store=MEMORY would keep a runaway ORDER BY's every row in RAM instead, and freeing
+        # it overruns the deadline (docs/environment.md).
         conn.execute("PRAGMA temp_store = FILE")
         for limit, value in LIMITS:
             conn.setlimit(limit, value)

@@ -31,7 +31,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import TORCH_DTYPES, all_reduce_sum, resolve_dtype, unwrap
+from distributed import all_reduce_sum, unwrap
+from model import TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
 from env import load_examples, run_many
 from rewards import (SCORE_MAX_ROWS, classify_failure, gold_order_matters, gold_results,  # shared with the rewards
@@ -212,7 +213,9 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
             m[f"maj@{K}"] = float(maj_ok[i])
             m.update({f"pass@{k}": pass_at_k(K, n_ok[i], k) for k in ks})
         per_q.append(m)
-    mean = lambda rows: {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
+
+    def mean(rows):
+        return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
     diffs = [difficulty_of(ex) for ex in examples]
     order = [d for d in DIFFICULTY_ORDER if d in diffs] + sorted(set(diffs) - set(DIFFICULTY_ORDER))
     by_diff = {d: {"n": diffs.count(d), **mean([m for m, dd in zip(per_q, diffs) if dd == d])} for d in order}
@@ -269,7 +272,7 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
 
 
 # -----------------------------------------------------------------------------
-# during training (train.py): greedy EX of the eval sets in one batch, metrics.jsonl, curves.png
+# during training (train.py): greedy EX of the eval sets in one batch, pass rates for the difficulty filter
 
 
 def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
@@ -307,96 +310,14 @@ def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_s
     return rates, trajs, rewards
 
 
-class Logger:
-    """metrics.jsonl (+ wandb) on rank 0. On resume, lines past the checkpoint are dropped so the log stays exact."""
-
-    def __init__(self, run_dir, args, rank, gstep):
-        self.on, self.path, self.wandb = rank == 0, run_dir / "metrics.jsonl", None
-        if not self.on:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        old = self.path.read_text().splitlines() if self.path.exists() and args.resume else []
-        self.path.write_text("".join(line + "\n" for line in old if json.loads(line)["gstep"] <= gstep))
-        if args.wandb:
-            import wandb
-            self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), resume="allow")
-
-    def log(self, row):
-        if self.on:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if self.wandb:
-                self.wandb.log(row, step=row["gstep"])
-
-    def rows(self):
-        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
-
-
-def plot_curves(rows, path):
-    """curves.png: SFT loss, RL reward, dev EX and turns on one time line of global steps, the SFT -> RL switch
-    dashed. Returns False without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
-    rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
-    ev = [r for r in rows if any(k.endswith("_ex") for k in r)]
-    x = lambda rs: [r["gstep"] for r in rs]  # noqa: E731
-    fig, ax = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
-    ax[0].plot(x(sft), [r["loss"] for r in sft])
-    ax[0].set(title="SFT", ylabel="masked NLL per agent token")
-    # markers: the demo's RL is one step, and a one-point line draws nothing
-    ax[1].plot(x(rl), [r["reward_full"] for r in rl], "o-", label="reward (full track)")
-    if rl and "reward_schema" in rl[0]:
-        ax[1].plot(x(rl), [r["reward_schema"] for r in rl], "o-", label="reward (schema track)")
-    ax[1].plot(x(rl), [r["ex"] for r in rl], "o-", label="EX of the rollouts")
-    ax[1].set(title="RL rollouts (mean per step)", ylabel="reward / EX")
-    ax[1].legend(fontsize=8)
-    for key in ("dev_ex", "test_ex", "spider_ex"):  # the evals after each stage (and every --eval-every steps)
-        pts = [(r["gstep"], 100 * r[key]) for r in ev if key in r]
-        if pts:
-            ax[2].plot(*zip(*pts), "o-", label=key[:-3])
-            for p in pts:
-                ax[2].annotate(f"{p[1]:.0f}", p, textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
-    ax[2].set(title="greedy EX", ylabel="EX (%)")
-    ax[2].legend(fontsize=8)
-    ax[3].plot(x(rl), [r["turns"] for r in rl], "o-")
-    ax[3].set(title="RL rollouts", ylabel="turns per trajectory")
-    for a in ax:
-        a.set_xlabel("global step (SFT, then RL)")
-        if sft and rl:
-            a.axvline(sft[-1]["gstep"] + 0.5, color="gray", ls="--", lw=0.8)
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def report(run_dir, evals, times, log):
-    """The end of a train.py run: EX after each stage as a table, stage seconds, results.json and curves.png."""
-    names = list(next(iter(evals.values()), {}))
-    print("\n| checkpoint | " + " | ".join(f"{name} EX %" for name in names) + " |\n" + "|---" * (1 + len(names)) + "|")
-    for label, tag in [("SFT", "sft"), ("SFT + RL", "rl")]:
-        if tag in evals:
-            print(f"| {label} | " + " | ".join(f"{100 * evals[tag][name]['ex']:.1f}" for name in names) + " |")
-    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
-    if plot_curves(log.rows(), run_dir / "curves.png"):
-        print(f"wrote {run_dir / 'curves.png'}")
-    (run_dir / "results.json").write_text(json.dumps({**evals, "seconds": times}, indent=1))
-    if log.wandb:
-        log.wandb.finish()
-
-
 # -----------------------------------------------------------------------------
 # report: markdown tables
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    def fmt(v):
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -138,7 +138,9 @@ def k3_kl(logp, ref_logp):
 def build_batch(trajs, pad_id=0, device="cpu"):
     """Right-padded (B, T) tensors from trajectories: input_ids, loss_mask, turn_ids (-1 = prompt/pad), old_logp."""
     T = max(len(t.token_ids) for t in trajs)
-    pad = lambda xs, v: list(xs) + [v] * (T - len(xs))
+
+    def pad(xs, v):
+        return list(xs) + [v] * (T - len(xs))
     return {
         "input_ids": torch.tensor([pad(t.token_ids, pad_id) for t in trajs], dtype=torch.long, device=device),
         "loss_mask": torch.tensor([pad(t.loss_mask, 0) for t in trajs], dtype=torch.float32, device=device),
@@ -267,7 +269,9 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
                                     device=device))
     metrics = dict(zip(["filtered_trajectories", "filtered_groups", "masked_truncated", "rows", "trajectories"],
                        counts.tolist()))
-    top = lambda x: x.abs().max().item() if N else 0.0  # noqa: E731  (a rank may hold no group at all)
+
+    def top(x):  # a rank may hold no group at all
+        return x.abs().max().item() if N else 0.0
     metrics |= {"reward_full_mean": r_full.mean().item() if N else 0.0, "adv_full_abs_max": top(adv_full),
                 "adv_full_abs_mean": adv_full[rows].abs().mean().item() if idx else 0.0}
     if dual:
@@ -359,7 +363,9 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     propose = torch.tensor([trajs[i].episode.propose_turn for i in idx] or [-1], device=device)
     mb["schema_mask"] = schema_track_mask(mb["loss_mask"], mb["turn_ids"], propose) if dual else \
         torch.zeros_like(mb["loss_mask"])
-    per_row = lambda adv: (adv[idx] if idx else torch.zeros(1)).to(device).unsqueeze(1)  # noqa: E731  (B, 1)
+
+    def per_row(adv):  # (B, 1)
+        return (adv[idx] if idx else torch.zeros(1)).to(device).unsqueeze(1)
     mb["adv_full"] = per_row(adv_full) * mb["loss_mask"]  # (B, T)
     mb["adv_schema"] = per_row(adv_schema) * mb["schema_mask"]
 

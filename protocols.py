@@ -71,7 +71,9 @@ def _parse_schema(body):
         s = json.loads(body, strict=False)
     except (ValueError, RecursionError) as e:
         return None, f"the <schema> is not valid JSON ({str(e)[:80]})"
-    strs = lambda x: isinstance(x, list) and all(isinstance(v, str) for v in x)  # noqa: E731
+
+    def strs(x):
+        return isinstance(x, list) and all(isinstance(v, str) for v in x)
     if not (isinstance(s, dict) and strs(s.get("tables")) and isinstance(s.get("columns"), dict)
             and all(isinstance(k, str) and strs(v) for k, v in s["columns"].items())
             and isinstance(s.get("joins", []), list)):

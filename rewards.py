@@ -141,7 +141,9 @@ def proposed_schema_items(proposed: dict | None) -> set:
     Model output is untrusted: tolerate a list of "table.column" strings, quoting and odd types."""
     if not isinstance(proposed, dict):
         return set()
-    clean = lambda s: str(s).strip().strip('"`[]').lower()
+
+    def clean(s):
+        return str(s).strip().strip('"`[]').lower()
     tables = {clean(t) for t in proposed.get("tables") or [] if isinstance(t, str)}
     columns = set()
     cols = proposed.get("columns") or {}

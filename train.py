@@ -13,7 +13,9 @@ optimizer/scheduler/RNG/data position; --resume continues the latest one exactly
 holds checkpoints (pass --resume, another --run-name or --overwrite): it never deletes what it did not write.
 """
 import copy
+import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -36,12 +38,13 @@ import env  # noqa: E402
 import protocols  # noqa: E402
 import rollout  # noqa: E402
 from data.spider.prepare import spider_sample  # noqa: E402
-from data.teacher import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
-from eval import Logger, evaluate_ex, pass_rates, report, trained_settings  # noqa: E402
+from sft import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
+from eval import evaluate_ex, pass_rates, trained_settings  # noqa: E402
 from grpo import GRPOConfig, advantages, group_signal, grpo_step  # noqa: E402
-from model import (all_reduce_sum, barrier, distribute, latest_checkpoint, load_model,  # noqa: E402
-                   load_trainer_state, load_weights, make_optimizer, reference_model, replaceable_checkpoints, resolve,
-                   resolve_dtype, save_checkpoint, setup_distributed, take)
+from distributed import all_reduce_sum, barrier, distribute, setup_distributed, shard  # noqa: E402
+from model import (latest_checkpoint, load_model, load_trainer_state, load_weights, replaceable_checkpoints,  # noqa: E402
+                   resolve, resolve_dtype, save_checkpoint)
+from report import Logger, report  # noqa: E402
 from rewards import REWARDS, difficulty_score, turn_budget  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -95,98 +98,138 @@ QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0
 
 def get_parser(add_help=True):
     p = cli.ArgumentParser(description=__doc__, add_help=add_help)
-    a = p.add_argument
-    pos, nonneg, file = cli.positive_int, cli.nonneg_int, cli.existing_file  # argparse types: an error is one line
-    a("--stage", default="both", choices=["sft", "rl", "both"], help="which stages to run")
-    a("--recipe", default="trust", choices=sorted(RECIPES), help="a paper's settings (RECIPES)")
-    a("--model", default="smollm2", help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
-    a("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="bf16: fp32 master weights, bf16 compute "
-      "(autocast) and rollouts; auto: bf16 where its matmuls are fast (CUDA, AVX512-BF16 or AMX CPUs), else fp32")
-    a("--data", type=file, default=None, help="RL training examples JSONL (default: the gym's train split)")
-    a("--sft-data", type=file, default=None, help="SFT trajectories JSONL (default: scripted teacher on --data)")
-    a("--dev-data", type=file, default=None, help="dev examples JSONL for periodic eval (default: gym dev)")
-    a("--test-data", type=file, default=None, help="test examples JSONL evaluated at the end (default: gym test)")
-    a("--spider-dir", default=str(ROOT.parent / "shared" / "data" / "spider"), help="Spider (dev.json, database/) "
-      "for a fixed sample of dev questions evaluated with dev and test; skipped with a note when missing")
-    a("--spider-limit", type=nonneg, default=0, help="Spider dev questions in that sample (0 = no Spider eval)")
-    a("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"], help="agent turn format (env.py)")
-    a("--reward", default="trust", choices=sorted(REWARDS), help="reward recipe (rewards.REWARDS)")
-    a("--schema-mode", default="none", choices=env.SCHEMA_MODES, help="none: unknown schema (the papers)")
-    a("--brief-prompt", type=int, default=0, help="1 = a short system prompt instead of the paper's (CPU demo)")
-    a("--obs-rows", type=nonneg, default=0, help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
-    a("--adaptive-turns", type=int, default=0, help="1: each RL question's turn budget from its difficulty label "
-      "(rewards.turn_budget; the turns reward uses the same budget)")
-    a("--force-final-answer", type=int, default=0, help="1: out of turns without an answer, one more turn that must "
-      "answer and is scored (SQL-Trail Alg. 1 line 31)")
-    a("--teacher-probes", type=nonneg, default=2, help="filtered columns whose values the teacher probes")
-    a("--teacher-distractors", type=nonneg, default=1, help="extra tables whose schema the teacher reads")
-    a("--teacher-list-tables", type=int, default=1, help="0: the teacher skips listing tables (shorter)")
+    p.add_argument("--stage", default="both", choices=["sft", "rl", "both"], help="which stages to run")
+    p.add_argument("--recipe", default="trust", choices=sorted(RECIPES), help="a paper's settings (RECIPES)")
+    p.add_argument("--model", default="smollm2",
+                   help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="bf16: fp32 master weights, bf16 compute (autocast) and rollouts; auto: bf16 where its matmuls"
+                        " are fast (CUDA, AVX512-BF16 or AMX CPUs), else fp32")
+    p.add_argument("--data", type=cli.existing_file, default=None,
+                   help="RL training examples JSONL (default: the gym's train split)")
+    p.add_argument("--sft-data", type=cli.existing_file, default=None,
+                   help="SFT trajectories JSONL (default: scripted teacher on --data)")
+    p.add_argument("--dev-data", type=cli.existing_file, default=None,
+                   help="dev examples JSONL for periodic eval (default: gym dev)")
+    p.add_argument("--test-data", type=cli.existing_file, default=None,
+                   help="test examples JSONL evaluated at the end (default: gym test)")
+    p.add_argument("--spider-dir", default=str(ROOT.parent / "shared" / "data" / "spider"),
+                   help="Spider (dev.json, database/) for a fixed sample of dev questions evaluated with dev and test;"
+                        " skipped with a note when missing")
+    p.add_argument("--spider-limit", type=cli.nonneg_int, default=0,
+                   help="Spider dev questions in that sample (0 = no Spider eval)")
+    p.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"],
+                   help="agent turn format (protocols.py)")
+    p.add_argument("--reward", default="trust", choices=sorted(REWARDS), help="reward recipe (rewards.REWARDS)")
+    p.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES, help="none: unknown schema (the papers)")
+    p.add_argument("--brief-prompt", type=int, default=0,
+                   help="1 = a short system prompt instead of the paper's (CPU demo)")
+    p.add_argument("--obs-rows", type=cli.nonneg_int, default=0,
+                   help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
+    p.add_argument("--adaptive-turns", type=int, default=0,
+                   help="1: each RL question's turn budget from its difficulty label (rewards.turn_budget; the turns "
+                        "reward uses the same budget)")
+    p.add_argument("--force-final-answer", type=int, default=0,
+                   help="1: out of turns without an answer, one more turn that must answer and is scored (SQL-Trail "
+                        "Alg. 1 line 31)")
+    p.add_argument("--teacher-probes", type=cli.nonneg_int, default=2,
+                   help="filtered columns whose values the teacher probes")
+    p.add_argument("--teacher-distractors", type=cli.nonneg_int, default=1,
+                   help="extra tables whose schema the teacher reads")
+    p.add_argument("--teacher-list-tables", type=int, default=1, help="0: the teacher skips listing tables (shorter)")
     # lengths and sampling
-    a("--max-turns", type=pos, default=10, help="assistant turns per episode")
-    a("--max-new-tokens", type=pos, default=2048, help="per assistant turn")
-    a("--max-total-tokens", type=pos, default=16384, help="whole trajectory (prompt + turns + observations)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature of RL rollouts (eval is greedy)")
-    a("--top-p", type=float, default=1.0, help="nucleus sampling of RL rollouts")
+    p.add_argument("--max-turns", type=cli.positive_int, default=10, help="assistant turns per episode")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=2048, help="per assistant turn")
+    p.add_argument("--max-total-tokens", type=cli.positive_int, default=16384,
+                   help="whole trajectory (prompt + turns + observations)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of RL rollouts (eval is greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of RL rollouts")
     # SFT
-    a("--sft-steps", type=pos, default=150, help="TRUST: 9.2k questions x 2 epochs / batch 256")
-    a("--sft-batch-size", type=pos, default=128, help="trajectories per step, all ranks together")
-    a("--sft-lr", type=float, default=1e-5, help="peak SFT learning rate")
-    a("--teacher-limit", type=nonneg, default=0, help="teacher trajectories from the first N examples (0 = all)")
+    p.add_argument("--sft-steps", type=cli.positive_int, default=150,
+                   help="TRUST: 9.2k questions x 2 epochs / batch 256")
+    p.add_argument("--sft-batch-size", type=cli.positive_int, default=128,
+                   help="trajectories per step, all ranks together")
+    p.add_argument("--sft-lr", type=float, default=1e-5, help="peak SFT learning rate")
+    p.add_argument("--teacher-limit", type=cli.nonneg_int, default=0,
+                   help="teacher trajectories from the first N examples (0 = all)")
     # RL
-    a("--rl-steps", type=pos, default=200, help="GRPO steps")
-    a("--rl-batch-size", type=pos, default=32, help="prompts per step, all ranks together (x group size rollouts)")
-    a("--rl-lr", type=float, default=1e-6, help="peak RL learning rate")
-    a("--group-size", type=pos, default=8, help="rollouts per prompt (G)")
-    a("--schema-lambda", type=float, default=0.25, help="weight of TRUST's schema track (0 = single track)")
-    a("--eps-low", type=float, default=0.2, help="PPO clip below 1")
-    a("--eps-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher)")
-    a("--traj-filter", type=int, default=0, help="MTIR trajectory filter: drop truncated / unfinished rollouts")
-    a("--dynamic-sampling", type=int, default=0, help="1: roll fresh prompts until every group has reward variance "
-      "(DAPO); groups still flat are left out of the update")
-    a("--dynamic-sampling-rounds", type=nonneg, default=3, help="extra rollout rounds per step at most (the cap)")
-    a("--ppo-epochs", type=pos, default=1, help="passes over each batch of rollouts")
-    a("--ppo-mini-batch-size", type=nonneg, default=0, help="prompts per optimizer step (verl's ppo_mini_batch_size): "
-      "rl-batch-size / this steps per batch, all against the log-probs before the first (0 = whole batch)")
-    a("--kl-beta", type=float, default=0.0, help="k3 KL to a frozen copy of the start policy (0 = off: Trail, MTIR)")
-    a("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"], help="token losses -> one number: "
-      "DAPO token mean, GRPO sequence mean, Dr. GRPO sum / (sequences x max-total-tokens)")
-    a("--scale-std", type=int, default=1, help="0: advantages not divided by the group std (Dr. GRPO)")
-    a("--mask-truncated", type=int, default=0, help="1: trajectories cut by a length limit stay out of the loss")
-    a("--naive-schema-weight", type=float, default=0.0, help="TRUST's single-track ablation: full reward += w x "
-      "schema reward, one track (use with --schema-lambda 0)")
-    a("--filter-pass-rate", type=float, default=0.75, help="keep questions with pass rate below this (TRUST <6/8)")
-    a("--filter-top-n", type=nonneg, default=0, help="SQL-Trail A.6: keep the N questions of lowest difficulty score "
-      "S(q) (eq. 13) instead of the pass-rate rule (0 = TRUST's rule)")
-    a("--filter-unsolved-n", type=nonneg, default=0, help="with --filter-top-n: this many never-solved ones too")
-    a("--filter-k", type=nonneg, default=8, help="rollouts per question for the difficulty filter (0 = no filter); "
-      "equal to --group-size, the kept groups are RL's first batch")
-    a("--filter-limit", type=nonneg, default=0, help="candidate questions for the filter (0 = all)")
+    p.add_argument("--rl-steps", type=cli.positive_int, default=200, help="GRPO steps")
+    p.add_argument("--rl-batch-size", type=cli.positive_int, default=32,
+                   help="prompts per step, all ranks together (x group size rollouts)")
+    p.add_argument("--rl-lr", type=float, default=1e-6, help="peak RL learning rate")
+    p.add_argument("--group-size", type=cli.positive_int, default=8, help="rollouts per prompt (G)")
+    p.add_argument("--schema-lambda", type=float, default=0.25,
+                   help="weight of TRUST's schema track (0 = single track)")
+    p.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below 1")
+    p.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher)")
+    p.add_argument("--traj-filter", type=int, default=0,
+                   help="MTIR trajectory filter: drop truncated / unfinished rollouts")
+    p.add_argument("--dynamic-sampling", type=int, default=0,
+                   help="1: roll fresh prompts until every group has a nonzero advantage (DAPO); groups still flat are"
+                        " left out of the update")
+    p.add_argument("--dynamic-sampling-rounds", type=cli.nonneg_int, default=3,
+                   help="extra rollout rounds per step at most (the cap)")
+    p.add_argument("--ppo-epochs", type=cli.positive_int, default=1, help="passes over each batch of rollouts")
+    p.add_argument("--ppo-mini-batch-size", type=cli.nonneg_int, default=0,
+                   help="prompts per optimizer step (verl's ppo_mini_batch_size): rl-batch-size / this steps per "
+                        "batch, all against the log-probs before the first (0 = whole batch)")
+    p.add_argument("--kl-beta", type=float, default=0.0,
+                   help="k3 KL to a frozen copy of the start policy (0 = off: Trail, MTIR)")
+    p.add_argument("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"],
+                   help="token losses -> one number: DAPO token mean, GRPO sequence mean, Dr. GRPO sum / (sequences x "
+                        "max-total-tokens)")
+    p.add_argument("--scale-std", type=int, default=1, help="0: advantages not divided by the group std (Dr. GRPO)")
+    p.add_argument("--mask-truncated", type=int, default=0,
+                   help="1: trajectories cut by a length limit stay out of the loss")
+    p.add_argument("--naive-schema-weight", type=float, default=0.0,
+                   help="TRUST's single-track ablation: full reward += w x schema reward, one track (use with "
+                        "--schema-lambda 0)")
+    p.add_argument("--filter-pass-rate", type=float, default=0.75,
+                   help="keep questions with pass rate below this (TRUST <6/8)")
+    p.add_argument("--filter-top-n", type=cli.nonneg_int, default=0,
+                   help="SQL-Trail A.6: keep the N questions of lowest difficulty score S(q) (eq. 13) instead of the "
+                        "pass-rate rule (0 = TRUST's rule)")
+    p.add_argument("--filter-unsolved-n", type=cli.nonneg_int, default=0,
+                   help="with --filter-top-n: this many never-solved ones too")
+    p.add_argument("--filter-k", type=cli.nonneg_int, default=8,
+                   help="rollouts per question for the difficulty filter (0 = no filter); equal to --group-size, the "
+                        "kept groups are RL's first batch")
+    p.add_argument("--filter-limit", type=cli.nonneg_int, default=0,
+                   help="candidate questions for the filter (0 = all)")
     # optimisation
-    a("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
-    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
-    a("--grad-clip", type=float, default=1.0, help="max gradient norm")
-    a("--micro-batch-size", type=nonneg, default=4, help="sequences per forward + backward, SFT and GRPO (0 = the "
-      "whole local batch: the recipes' SFT batches of 128-256 would not fit)")
+    p.add_argument("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm")
+    p.add_argument("--micro-batch-size", type=cli.nonneg_int, default=4,
+                   help="sequences per forward + backward, SFT and GRPO (0 = the whole local batch: the recipes' SFT "
+                        "batches of 128-256 would not fit)")
     # eval, checkpoints, logging
-    a("--eval-every", type=nonneg, default=0, help="RL steps between dev evals (0 = only after each stage)")
-    a("--eval-limit", type=nonneg, default=0, help="dev/test examples per eval (0 = all)")
-    a("--eval-batch-size", type=pos, default=64, help="rows a rank decodes at once: eval, the difficulty filter and "
-      "RL rollouts (their KV cache: rows x longest row x KV bytes per token)")
-    a("--ckpt-every", type=nonneg, default=50, help="0 = only at the end of each stage")
-    a("--keep-ckpts", type=nonneg, default=2, help="0 = all")
-    a("--resume", action="store_true", help="continue the latest checkpoint in --out-dir/--run-name")
-    a("--stop-after", type=nonneg, default=0, help="exit right after the checkpoint at this global step (tests)")
-    a("--out-dir", default=str(ROOT / "out"), help="runs go to <out-dir>/<run-name>")
-    a("--run-name", default=None, help="run directory under --out-dir (default: run-<date>-<time>; torchrun claims "
-      "--run for itself)")
-    a("--overwrite", action="store_true", help="a new run may replace the checkpoints in --run-name's folder (never "
-      "the one --model loads: a --model inside that folder is refused)")
-    a("--seed", type=int, default=0, help="data order, rollouts and the tiny model's init")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (torchrun: per rank)")
-    a("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of DDP")
-    a("--compile", action="store_true", help="torch.compile each decoder layer for SFT and GRPO (GPU: 2.5x faster)")
-    a("--wandb", action="store_true", help="also log to Weights & Biases")
-    a("--quick", action="store_true", help="a few steps of each stage (smoke test)")
+    p.add_argument("--eval-every", type=cli.nonneg_int, default=0,
+                   help="RL steps between dev evals (0 = only after each stage)")
+    p.add_argument("--eval-limit", type=cli.nonneg_int, default=0, help="dev/test examples per eval (0 = all)")
+    p.add_argument("--eval-batch-size", type=cli.positive_int, default=64,
+                   help="rows a rank decodes at once: eval, the difficulty filter and RL rollouts (their KV cache: "
+                        "rows x --max-total-tokens x KV bytes per token; fewer rows where a GPU lacks it)")
+    p.add_argument("--ckpt-every", type=cli.nonneg_int, default=50, help="0 = only at the end of each stage")
+    p.add_argument("--keep-ckpts", type=cli.nonneg_int, default=2, help="0 = all")
+    p.add_argument("--resume", action="store_true", help="continue the latest checkpoint in --out-dir/--run-name")
+    p.add_argument("--stop-after", type=cli.nonneg_int, default=0,
+                   help="exit right after the checkpoint at this global step (tests)")
+    p.add_argument("--out-dir", default=str(ROOT / "out"), help="runs go to <out-dir>/<run-name>")
+    p.add_argument("--run-name", default=None,
+                   help="run directory under --out-dir (default: run-<date>-<time>; torchrun claims --run for itself)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a new run may replace the checkpoints in --run-name's folder (never the one --model loads: a "
+                        "--model inside that folder is refused)")
+    p.add_argument("--seed", type=int, default=0, help="data order, rollouts and the tiny model's init")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (torchrun: per rank)")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of DDP")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer for SFT and GRPO (GPU: 2.5x faster)")
+    p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
+    p.add_argument("--quick", action="store_true", help="a few steps of each stage (smoke test)")
     return p
 
 
@@ -202,6 +245,54 @@ def get_args(argv=None):
     if first.quick:
         parser.set_defaults(**QUICK)
     return parser.parse_args(argv)
+
+# -----------------------------------------------------------------------------
+# data order, the optimizer and its schedule, the KL reference
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n, seed, epoch):
+    """A fixed permutation per (seed, epoch): the data order depends only on the position, so resume replays it."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def take(n, batch_size, seed, position):
+    """Indices [position, position + batch_size) of the endless sequence of epoch permutations."""
+    out = []
+    while len(out) < batch_size:
+        epoch, i = divmod(position, n)
+        out.append(epoch_order(n, seed, epoch)[i])
+        position += 1
+    return out
+
+
+def make_optimizer(model, lr, steps, args):
+    """AdamW (betas 0.9/0.95, SQL-Trail A.5) with linear warmup then cosine decay."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    warm = max(1, int(args.warmup_ratio * steps))
+
+    def cosine(s):  # linear warm-up, then cosine to 0
+        return min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
+
+
+def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
+    """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved to <run>/ref
+    when RL starts so that a resumed run loads the same weights back; sharded like the policy under FSDP."""
+    path = Path(run_dir) / "ref"
+    if resumed and (path / "config.json").exists():  # only a resume reads it: no rank reads what rank 0 writes
+        ref = type(policy).from_pretrained(path, dtype=next(policy.parameters()).dtype)
+    else:
+        ref = copy.deepcopy(policy)
+        if rank == 0:
+            ref.save_pretrained(path)
+        barrier()
+    ref = ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
+    return shard(ref) if fsdp else ref
 
 # -----------------------------------------------------------------------------
 # RL: rollouts -> rewards -> GRPO, with the difficulty filter in front
@@ -491,8 +582,8 @@ def main(argv=None):
         evalsets = {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
         return run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, rank, world, device)
     finally:
-        if args.protocol != base_protocol:
-            protocols.PROTOCOLS.pop(args.protocol, None)  # leave the registry as we found it (in-process callers, tests)
+        if args.protocol != base_protocol:  # leave the registry as we found it (in-process callers, tests)
+            protocols.PROTOCOLS.pop(args.protocol, None)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -25,10 +25,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import sqlglot
-import torch
-import torch.nn.functional as F
 from sqlglot import exp
 
 import cli
@@ -201,7 +198,9 @@ def plan_turns(example, protocol, schema_mode, rng, distractors=1, max_probes=2,
     tables, columns, joins, filtered = gold_facts(gold_sql, db_path, all_tables)
     if not tables:
         raise ValueError("gold SQL touches no known table")
-    pick = lambda key, **kw: rng.choice(THINK[key]).format(question=example["question"], **kw)
+
+    def pick(key, **kw):  # one of the key's reasoning lines, seeded
+        return rng.choice(THINK[key]).format(question=example["question"], **kw)
     turns = []
     # unknown schema: list the tables (list_tables=False: read the ones the question names straight away, shorter);
     # with a prefilled schema the prompt has the list, but reading the needed tables still verifies them
@@ -330,104 +329,9 @@ def write_teacher_data(examples, path, protocol="trust", **teach_kw):
     return kept
 
 # -----------------------------------------------------------------------------
-# SFT rows: a trajectory's chat messages -> token ids + a loss mask covering only the agent's tokens; batches of
-# them and the masked NLL over agent tokens
-
-
-def render(tokenizer, messages, add_generation_prompt=False):
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def tokenize_chat(messages, tokenizer):
-    """(ids, mask) for one trajectory. The chat template renders growing prefixes; each new piece is tokenized on its
-    own, which is how rollout builds sequences (prompt, sampled turn, observation...). mask = 1 on an assistant
-    turn's content and its closing eos, 0 on the prompt, role headers and observations."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; SFT renders trajectories with it. Use a chat model or "
-                         "set tokenizer.chat_template (model.CHAT_TEMPLATE is ChatML)")
-    eos = tokenizer.eos_token
-    ids, mask, done = [], [], ""
-
-    def add(text, trained):
-        if text:
-            piece = tokenizer.encode(text, add_special_tokens=False)
-            ids.extend(piece)
-            mask.extend([int(trained)] * len(piece))
-
-    for i, msg in enumerate(messages):
-        full = render(tokenizer, messages[: i + 1])
-        if msg["role"] == "assistant":
-            head = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-            end = full.find(eos, len(head) + len(msg["content"]))
-            if not head.startswith(done) or not full.startswith(head) or end < 0:
-                raise ValueError("chat template is not prefix-stable around assistant turns (e.g. it drops earlier "
-                                 "<think> blocks); multi-turn training needs one that renders history unchanged")
-            add(head[len(done):], False)  # "<|im_start|>assistant\n"
-            add(full[len(head): end + len(eos)], True)  # the turn and its eos: what the policy samples
-            add(full[end + len(eos):], False)  # template tail after eos ("\n")
-        else:
-            if not full.startswith(done):
-                raise ValueError("chat template is not prefix-stable: rendering more messages changed earlier text")
-            add(full[len(done):], False)
-        done = full
-    return ids, mask
-
-
-def load_sft_data(path, tokenizer, max_len, rank=0):
-    """Tokenized trajectories from a JSONL of {"messages": [...]}; too long ones are dropped (and counted)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"SFT data {path} not found; write it with `python data/teacher.py --out {path}`")
-    rows, too_long = [], 0
-    for line in path.read_text().splitlines():
-        if line.strip():
-            ids, mask = tokenize_chat(json.loads(line)["messages"], tokenizer)
-            if len(ids) > max_len:
-                too_long += 1
-            else:
-                rows.append((ids, mask))
-    if not rows:
-        raise ValueError(f"{path}: no usable SFT trajectories ({too_long} longer than --max-total-tokens {max_len})")
-    if rank == 0:
-        lens = [len(r[0]) for r in rows]
-        agent = [sum(r[1]) for r in rows]
-        print(f"sft data: {len(rows)} trajectories, mean {np.mean(lens):.0f} tokens ({np.mean(agent):.0f} agent), "
-              f"max {max(lens)}, dropped {too_long} longer than {max_len}")
-    return rows
-
-def pad_batch(rows, pad_id, device):
-    """Right-padded (B, T) ids, (B, T) loss mask."""
-    T = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, (x, m) in enumerate(rows):
-        ids[i, : len(x)], mask[i, : len(m)] = torch.tensor(x), torch.tensor(m)
-    return ids.to(device), mask.to(device)
-
-
-class AgentTokenLoss(torch.nn.Module):
-    """SFT loss as a module, so DDP wraps the whole computation: summed next-token NLL over agent tokens divided by
-    ALL ranks' agent tokens, x world because DDP averages gradients. The LM head runs only on positions that predict
-    an agent token: most of a multi-turn sequence is prompt and observations."""
-
-    def __init__(self, model, full_forward=False):
-        super().__init__()
-        self.model, self.full_forward = model, full_forward  # FSDP: go through the root module's forward
-
-    def forward(self, ids, mask, global_tokens, world):  # ids, mask: (B, T), right padded
-        target = mask[:, 1:] > 0  # position t-1 predicts token t
-        if self.full_forward:
-            logits = self.model(input_ids=ids).logits[:, :-1][target].float()  # (N, V)
-        else:
-            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1][target]  # (N, D)
-            logits = self.model.get_output_embeddings()(hidden).float()  # (N, V)
-        return F.cross_entropy(logits, ids[:, 1:][target], reduction="sum") / global_tokens * world
-
-# -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
     parser = cli.ArgumentParser(description=__doc__)
-    nonneg = cli.nonneg_int
     parser.add_argument("--data", type=cli.existing_file, required=True, help="examples JSONL (a prepare.py output)")
     parser.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"],
                         help="agent turn format (the recipe's)")
@@ -435,11 +339,11 @@ if __name__ == "__main__":
     parser.add_argument("--max-turns", type=cli.positive_int, default=10, help="turn budget the prompt states")
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
                         help="none: unknown schema; prompt: schema in the prompt")
-    parser.add_argument("--distractors", type=nonneg, default=1, help="extra tables whose schema the teacher reads")
-    parser.add_argument("--max-probes", type=nonneg, default=2, help="filtered columns whose values it probes")
+    parser.add_argument("--distractors", type=cli.nonneg_int, default=1, help="extra tables whose schema the teacher reads")
+    parser.add_argument("--max-probes", type=cli.nonneg_int, default=2, help="filtered columns whose values it probes")
     parser.add_argument("--repair-rate", type=float, default=0.2, help="share with a failing first attempt")
     parser.add_argument("--list-tables", type=int, default=1, help="0: skip the list-tables turn (shorter)")
-    parser.add_argument("--limit", type=nonneg, default=0, help="only the first N examples (0 = all)")
+    parser.add_argument("--limit", type=cli.nonneg_int, default=0, help="only the first N examples (0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="which plans, repairs and distractors")
     args = parser.parse_args()
     try:

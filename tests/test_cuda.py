@@ -8,7 +8,8 @@ import torch
 
 import engine
 from grpo import GRPOConfig, grpo_step
-from model import compile_layers, load_model
+from distributed import compile_layers
+from model import load_model
 from test_rollout import check_bf16_autocast_rollout, replay_logprobs, run, trust_answer, trust_call
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: checks rollout and GRPO "
@@ -108,3 +109,17 @@ def test_varlen_flash_kernel_reads_each_rows_own_keys_as_masked_sdpa_does(head_d
         fused = engine.decode_step(model, cache, 4, decoder.kernel)
     assert (fused - masked).abs().max().item() < 5e-2 * masked.abs().max().item()
     assert torch.equal(fused.argmax(-1), masked.argmax(-1))
+
+
+def test_a_failed_capture_falls_back_to_the_eager_step_and_says_so(cpu_and_cuda, examples, monkeypatch, capsys):
+    _, cuda = cpu_and_cuda
+    scripts = {r: [trust_call(f"SELECT * FROM sqlite_master LIMIT {r + 1}"), 6] for r in range(3)}
+    eager = run(cuda, examples[:3], scripts, decode="static")
+
+    def broken_capture(model, cache, decoder):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(engine, "capture", broken_capture)
+    monkeypatch.setattr(engine, "_notes_said", set())
+    fallback = run(cuda, examples[:3], scripts, decode="graphs")
+    assert "CUDA graph capture failed (RuntimeError: operation not permitted" in capsys.readouterr().out
+    assert [t.token_ids for t in fallback] == [t.token_ids for t in eager]

@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, policy_loss, schema_track_mask,
                   token_logprobs)
-from model import compile_layers
+from distributed import compile_layers
 
 A = 0.5 / (math.sqrt(0.5) + 1e-6)  # advantage of each member of a 2-group whose rewards differ by 1
 

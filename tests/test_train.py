@@ -13,26 +13,15 @@ import pytest
 import torch
 
 import cli
-import env
 import grpo
-import protocols
 import train
 from data.spider.prepare import spider_sample
-from data.teacher import load_sft_data, tokenize_chat
+from sft import load_sft_data
 from grpo import GRPOConfig
 from model import latest_checkpoint, load_model, load_trainer_state, load_weights, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(scope="module")
-def teacher_record(gym_dir):
-    from data.teacher import teach
-    examples = env.load_examples(gym_dir / "train.jsonl")
-    ex = next(e for e in examples if e["difficulty"] == "extra")
-    rec, reason = teach(ex, "trust", max_turns=10, seed=0, repair_rate=1.0)
-    assert rec is not None, reason
-    return rec, ex
 
 # -----------------------------------------------------------------------------
 # recipes
@@ -94,53 +83,7 @@ def test_spider_sample_is_fixed_and_skipped_without_the_folder(spider_dir, tmp_p
     assert spider_sample(tmp_path, 5) == []
 
 # -----------------------------------------------------------------------------
-# SFT masking
-
-
-def test_sft_tokens_equal_the_template_and_mask_only_agent_tokens(tiny, teacher_record):
-    _, tok = tiny
-    rec, _ = teacher_record
-    messages = rec["messages"]
-    ids, mask = tokenize_chat(messages, tok)
-    whole = tok.apply_chat_template(messages, tokenize=True, return_dict=True)  # SmolLM2's real template
-    assert ids == list(whole["input_ids"])  # token-exact with rendering the whole conversation at once
-    trained = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
-    agent = "".join(m["content"] + tok.eos_token for m in messages if m["role"] == "assistant")
-    assert trained == agent  # exactly the agent's turns and their eos: no prompt, no observation, no role header
-    obs_role = protocols.PROTOCOLS["trust"].obs_role
-    assert any(m["role"] == obs_role and "Error" in m["content"] for m in messages)  # observations are there...
-    assert "Error" not in trained  # ...and masked
-
-
-def test_sft_sequence_is_what_rollout_feeds(tiny, teacher_record):
-    """Force rollout to replay the teacher's turns: identical token ids. The loss masks differ only where a turn
-    ended at a stop string: SFT trains the eos the template puts there, rollout feeds it."""
-    from rollout import rollout
-    model, tok = tiny
-    rec, ex = teacher_record
-    ids, mask = tokenize_chat(rec["messages"], tok)
-    turns, prev = [], 0
-    for i, m in enumerate(mask):  # each run of trained tokens is one assistant turn (content + eos)
-        if m and not prev:
-            turns.append([])
-        if m:
-            turns[-1].append(ids[i])
-        prev = m
-    script = lambda row, turn, sofar: turns[turn][len(sofar)] if len(sofar) < len(turns[turn]) else None
-    traj = rollout(model, tok, [ex], "trust", group_size=1, max_turns=10, max_new_tokens=512, max_total_tokens=4096,
-                   temperature=1.0, top_p=1.0, schema_mode="none", seed=0, force=script)[0]
-    assert traj.token_ids == ids
-    assert traj.stop_reason == "answer"
-    diff = [i for i, (a, b) in enumerate(zip(traj.loss_mask, mask)) if a != b]
-    assert all(ids[i] == tok.eos_token_id and mask[i] == 1 for i in diff)
-
-
-def test_tokenizer_without_chat_template_is_a_clear_error(tiny):
-    _, tok = tiny
-    bare = type(tok).from_pretrained(tok.name_or_path)
-    bare.chat_template = None
-    with pytest.raises(ValueError, match="chat template"):
-        tokenize_chat([{"role": "user", "content": "hi"}], bare)
+# SFT inputs
 
 
 def test_missing_sft_data_and_missing_database_are_clear_errors(tmp_path, tiny):
@@ -340,7 +283,8 @@ DDP_SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import train
-from model import all_reduce_sum, load_model
+from distributed import all_reduce_sum
+from model import load_model
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 model, tok = load_model("tiny", seed=0)

@@ -1,0 +1,110 @@
+"""
+SFT: a trajectory's chat messages become token ids and a loss mask that covers only the agent's own tokens (the
+assistant turns and their closing eos, never the prompt, role headers or observations); rows are batched, and the
+loss is the masked NLL over agent tokens. train.py's SFT stage runs on these; data/teacher.py writes the
+trajectories.
+
+    python train.py --model tiny --quick --stage sft     # a few SFT steps of the tiny model on the teacher's data
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# rows: chat messages -> (ids, mask)
+
+
+def render(tokenizer, messages, add_generation_prompt=False):
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_chat(messages, tokenizer):
+    """(ids, mask) for one trajectory. The chat template renders growing prefixes; each new piece is tokenized on its
+    own, which is how rollout builds sequences (prompt, sampled turn, observation...). mask = 1 on an assistant
+    turn's content and its closing eos, 0 on the prompt, role headers and observations."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; SFT renders trajectories with it. Use a chat model or "
+                         "set tokenizer.chat_template (a ChatML template, say)")
+    eos = tokenizer.eos_token
+    ids, mask, done = [], [], ""
+
+    def add(text, trained):
+        if text:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids.extend(piece)
+            mask.extend([int(trained)] * len(piece))
+
+    for i, msg in enumerate(messages):
+        full = render(tokenizer, messages[: i + 1])
+        if msg["role"] == "assistant":
+            head = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+            end = full.find(eos, len(head) + len(msg["content"]))
+            if not head.startswith(done) or not full.startswith(head) or end < 0:
+                raise ValueError("chat template is not prefix-stable around assistant turns (e.g. it drops earlier "
+                                 "<think> blocks); multi-turn training needs one that renders history unchanged")
+            add(head[len(done):], False)  # "<|im_start|>assistant\n"
+            add(full[len(head): end + len(eos)], True)  # the turn and its eos: what the policy samples
+            add(full[end + len(eos):], False)  # template tail after eos ("\n")
+        else:
+            if not full.startswith(done):
+                raise ValueError("chat template is not prefix-stable: rendering more messages changed earlier text")
+            add(full[len(done):], False)
+        done = full
+    return ids, mask
+
+
+def load_sft_data(path, tokenizer, max_len, rank=0):
+    """Tokenized trajectories from a JSONL of {"messages": [...]}; too long ones are dropped (and counted)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data {path} not found; write it with `python data/teacher.py --out {path}`")
+    rows, too_long = [], 0
+    for line in path.read_text().splitlines():
+        if line.strip():
+            ids, mask = tokenize_chat(json.loads(line)["messages"], tokenizer)
+            if len(ids) > max_len:
+                too_long += 1
+            else:
+                rows.append((ids, mask))
+    if not rows:
+        raise ValueError(f"{path}: no usable SFT trajectories ({too_long} longer than --max-total-tokens {max_len})")
+    if rank == 0:
+        lens = [len(r[0]) for r in rows]
+        agent = [sum(r[1]) for r in rows]
+        print(f"sft data: {len(rows)} trajectories, mean {np.mean(lens):.0f} tokens ({np.mean(agent):.0f} agent), "
+              f"max {max(lens)}, dropped {too_long} longer than {max_len}")
+    return rows
+# -----------------------------------------------------------------------------
+# batches and the loss
+
+
+def pad_batch(rows, pad_id, device):
+    """Right-padded (B, T) ids, (B, T) loss mask."""
+    T = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, (x, m) in enumerate(rows):
+        ids[i, : len(x)], mask[i, : len(m)] = torch.tensor(x), torch.tensor(m)
+    return ids.to(device), mask.to(device)
+
+
+class AgentTokenLoss(torch.nn.Module):
+    """SFT loss as a module, so DDP wraps the whole computation: summed next-token NLL over agent tokens divided by
+    ALL ranks' agent tokens, x world because DDP averages gradients. The LM head runs only on positions that predict
+    an agent token: most of a multi-turn sequence is prompt and observations."""
+
+    def __init__(self, model, full_forward=False):
+        super().__init__()
+        self.model, self.full_forward = model, full_forward  # FSDP: go through the root module's forward
+
+    def forward(self, ids, mask, global_tokens, world):  # ids, mask: (B, T), right padded
+        target = mask[:, 1:] > 0  # position t-1 predicts token t
+        if self.full_forward:
+            logits = self.model(input_ids=ids).logits[:, :-1][target].float()  # (N, V)
+        else:
+            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1][target]  # (N, D)
+            logits = self.model.get_output_embeddings()(hidden).float()  # (N, V)
+        return F.cross_entropy(logits, ids[:, 1:][target], reduction="sum") / global_tokens * world
