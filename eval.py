@@ -35,8 +35,8 @@ from distributed import all_reduce_sum, unwrap
 from model import TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
 from env import load_examples, run_many
-from rewards import (SCORE_MAX_ROWS, classify_failure, gold_order_matters, gold_results,  # shared with the rewards
-                     is_correct)
+from rewards import SCORE_MAX_ROWS, gold_order_matters, gold_results, is_correct  # shared with the rewards
+from taxonomy import classify_failure
 from data.spider.prepare import spider_hardness, spider_sql, ts_databases, write_spider_files  # test-suite rules
 from data.bird.prepare import bird_ves, machine, write_bird_predictions  # BIRD's VES and prediction file
 

@@ -78,3 +78,18 @@ def pets(tmp_path):
     return build_db(tmp_path / "pets_1" / "pets_1.sqlite", PETS_DDL, {
         "Student": students, "Has_Pet": [(1001, 2001), (1002, 2002), (1002, 2003)],
         "Pets": [(2001, "cat", 3, 12.0), (2002, "dog", 2, 13.4), (2003, "dog", 1, 9.3)]})
+
+
+@pytest.fixture(scope="module")
+def concert_db(tmp_path_factory):
+    """A small concert/singer database (Spider's concert_singer, cut down) for scoring and taxonomy tests."""
+    path = tmp_path_factory.mktemp("taxonomy") / "concert.sqlite"
+    con = sqlite3.connect(path)
+    con.executescript("""
+        CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name TEXT, country TEXT, age INTEGER);
+        CREATE TABLE concert (concert_id INTEGER PRIMARY KEY, concert_name TEXT, singer_id INTEGER, year INTEGER);
+        INSERT INTO singer VALUES (1, 'Joe', 'France', 52), (2, 'Ann', 'Italy', 25), (3, 'Tim', 'France', 33);
+        INSERT INTO concert VALUES (1, 'Spring', 1, 2014), (2, 'Autumn', 3, 2015);""")
+    con.commit()
+    con.close()
+    return str(path)

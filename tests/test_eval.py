@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import eval as ev
-import rewards
 from data.bird.prepare import bird_ves, load_bird, machine, r_ves_reward, time_ratio, write_bird_predictions
 from data.spider.prepare import MISSING_SQL, load_spider, remove_distinct, spider_hardness, write_spider_files
 from env import SQLResult
@@ -91,60 +90,6 @@ def test_spider_scoring_respects_order_bird_does_not():
     assert ev.is_correct(pred, gold, "spider", order_matters=False)
     assert not ev.is_correct(None, gold, "bird", False)
     assert not ev.is_correct(res([], error="boom"), res([]), "bird", False)
-
-
-# -----------------------------------------------------------------------------
-# error taxonomy: one crafted failure per class on a small fixture database
-
-@pytest.fixture(scope="module")
-def concert_db(tmp_path_factory):
-    path = tmp_path_factory.mktemp("taxonomy") / "concert.sqlite"
-    con = sqlite3.connect(path)
-    con.executescript("""
-        CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name TEXT, country TEXT, age INTEGER);
-        CREATE TABLE concert (concert_id INTEGER PRIMARY KEY, concert_name TEXT, singer_id INTEGER, year INTEGER);
-        INSERT INTO singer VALUES (1, 'Joe', 'France', 52), (2, 'Ann', 'Italy', 25), (3, 'Tim', 'France', 33);
-        INSERT INTO concert VALUES (1, 'Spring', 1, 2014), (2, 'Autumn', 3, 2015);""")
-    con.commit()
-    con.close()
-    return str(path)
-
-
-@pytest.mark.parametrize("gold, pred, label, detail", [
-    ("SELECT name FROM singer WHERE age > 30", None, "generation", "no final SQL"),
-    ("SELECT name FROM singer WHERE age > 30", "  ", "generation", "no final SQL"),
-    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE", "syntax", "parse"),
-    # a JOIN loop of the tiny model's: sqlglot would take hours to parse it (rewards.bare_joins)
-    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer" + " JOIN concert AS T1" * 30, "syntax",
-     "JOINs without ON/USING"),
-    ("SELECT name FROM singer WHERE age > 30", "SELECT nosuchfunc(name) FROM singer", "syntax", "nosuchfunc"),
-    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singers", "hallucination", "table singers"),
-    ("SELECT name FROM singer WHERE age > 30", "SELECT nationality FROM singer", "hallucination", "nationality"),
-    ("SELECT name FROM singer WHERE age > 30", "SELECT T1.nme FROM singer AS T1 JOIN concert AS T2 "
-     "ON T1.singer_id = T2.singer_id", "hallucination", "T1.nme"),
-    ("SELECT name FROM singer WHERE age > 30", "SELECT concert_name FROM concert", "schema_linking", "concert"),
-    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE age < 30", "semantic", "gold schema"),
-    # SQLite reads "Mars" as a string, not a column: a wrong value, not a hallucinated column
-    ("SELECT name FROM singer WHERE country = 'France'", 'SELECT name FROM singer WHERE country = "Mars"',
-     "semantic", "gold schema"),
-])
-def test_error_taxonomy(concert_db, gold, pred, label, detail):
-    example = {"db_path": concert_db, "gold_sql": gold, "question": "?"}
-    got, why = rewards.classify_failure(example, pred)
-    assert got == label, why
-    assert detail in why
-
-
-def test_gold_queries_reference_no_unknown_names(spider_dir):
-    # the hallucination check must not fire on correct SQL: every Spider dev gold query passes it
-    flagged = []
-    for r in json.loads((spider_dir / "dev.json").read_text()):
-        db = spider_dir / "database" / r["db_id"] / f"{r['db_id']}.sqlite"
-        if db.exists():
-            tree = rewards.parse_query(r["query"])
-            if tree is None or rewards.unknown_names(tree, str(db)):
-                flagged.append(r["query"])
-    assert flagged == []
 
 
 # -----------------------------------------------------------------------------
