@@ -5,14 +5,15 @@ as a CUDA graph), and sampling. rollout.py drives it turn by turn.
 
     python bench.py capture      # CPU: the decode step compiles once per bucket and never again over a rollout
 
-- SlotCache holds per layer one K and one V buffer of shape (B, S, Hkv, D), allocated once: S = limit + 1 slots,
+- SlotCache holds per layer one K and one V buffer, viewed as (B, S, Hkv, D) and allocated once: S = limit + 1 slots,
   the last a scratch slot that pads and idle rows write to. Row b keeps its tokens in slots 0..len_b-1 with no gaps,
   so a token's position id is its slot and a replay of the finished trajectory in one plain forward sees the same
   positions and keys.
 - decode_step feeds one token to each of the cache's first `rows` rows. Its inputs sit in one device buffer
   (token, position, write slot per row), filled by one copy per step; the position drives RoPE, the cache write
   (index_copy_ into a flat view) and how many keys the row's attention reads. No Python number that changes between
-  steps reaches the forward, so the step is one fixed graph per bucket of rows (1, 2, 4, 8, then steps of 8).
+  steps reaches the forward, so the step is one fixed graph per bucket of rows (1, 2, 4, 8, then every 8 up to 64
+  and every 16 beyond).
 - Attention reads each row's own keys: flash-attn's flash_attn_with_kvcache where it is installed, else PyTorch's
   own FlashAttention-2 kernel in variable-length mode with per-row key counts (seqused_k), on a GPU in bf16/fp16.
   Elsewhere SDPA with a mask built from the positions. On the CPU, which has no graphs to replay, rows are sorted by
