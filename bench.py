@@ -310,8 +310,8 @@ def decode_bound(model, rows, ctx, steps):
         torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = (rows * (ctx + steps // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
-                * param.element_size())
+    kv_bytes = (rows * (ctx + steps // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
+                * engine.head_dim(cfg) * param.element_size())
     name = torch.cuda.get_device_name()
     hbm = next((v for k, v in {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}.items() if k in name), 4.8e12)
     bound_s = (weight_bytes + kv_bytes) / hbm
@@ -393,23 +393,24 @@ def capture_check(model, tokenizer, examples, step, rows=16, turn_len=96):
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counting_aot_eager)
-    seen = set()
-    ptrs = []
-    worst = [0.0]
-    steps = [0]
+    seen = set()   # buckets compiled so far
+    ptrs = None    # the cache buffers' addresses at the first step
+    worst = 0.0    # largest |compiled - eager| logit
+    steps = 0
 
     def checked_step(model, cache, n):
+        nonlocal ptrs, worst, steps
         now = [x.data_ptr() for x in cache.k + cache.v]
-        if ptrs and now != ptrs:
+        if ptrs is not None and now != ptrs:
             raise RuntimeError("the cache's buffers moved")
-        ptrs[:] = now
+        ptrs = now
         stance = "fail_on_recompile" if n in seen else "default"
         with torch.compiler.set_stance(stance):
             logits = compiled(model, cache, n)
         seen.add(n)
         eager = engine.decode_step(model, cache, n)  # rewrites the same keys
-        worst[0] = max(worst[0], (logits - eager).abs().max().item())
-        steps[0] += 1
+        worst = max(worst, (logits - eager).abs().max().item())
+        steps += 1
         return logits
 
     batch = examples[:rows]
@@ -422,11 +423,11 @@ def capture_check(model, tokenizer, examples, step, rows=16, turn_len=96):
     except Exception as e:  # noqa: BLE001  any failure is the answer, said on one line
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return False, f"decode step capturable: no ({type(e).__name__}: {reason[:300]})"
-    if worst[0] > 1e-4:
-        return False, f"decode step capturable: no (compiled logits differ from the eager step by {worst[0]:.2e})"
+    if worst > 1e-4:
+        return False, f"decode step capturable: no (compiled logits differ from the eager step by {worst:.2e})"
     recompiles = len(compiles) - len(seen)
     return recompiles == 0, (f"decode step capturable: {'yes' if recompiles == 0 else 'no'} ({len(compiles)} "
-                             f"compiles for {len(seen)} buckets, {recompiles} recompiles over {steps[0]} steps)")
+                             f"compiles for {len(seen)} buckets, {recompiles} recompiles over {steps} steps)")
 
 
 def bench_capture(args):

@@ -23,6 +23,7 @@ as a CUDA graph), and sampling. rollout.py drives it turn by turn.
 """
 import math
 import os
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -50,22 +51,27 @@ _notes_said = set()
 # One KV cache for the whole batch, with per-row lengths
 
 
+def head_dim(config):
+    """Per-head size of keys and values (configs without head_dim split hidden_size evenly)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class SlotCache:
     """Duck-types the transformers Cache interface the decoder layers use (update). Per layer K and V are viewed as
     (B, S, Hkv, D), stored heads-first, (B, Hkv, S, D), on the CPU, whose SDPA kernel reads that faster."""
 
     def __init__(self, model, rows, device, dtype, limit):
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         heads = cfg.num_key_value_heads
+        D = head_dim(cfg)
         device = torch.device(device)
         S = limit + 1
-        self.shape = (rows, S, heads, head_dim)
+        self.shape = (rows, S, heads, D)
         heads_first = device.type == "cpu"
         # CPU memory is committed page by page when first written, so there the buffers cost only what reserve()
         # zeroes; a GPU commits at allocation, and zeros cost nothing more there
         alloc = torch.empty if device.type == "cpu" else torch.zeros
-        stored = (rows, heads, S, head_dim) if heads_first else self.shape
+        stored = (rows, heads, S, D) if heads_first else self.shape
         self.stores = [alloc(stored, device=device, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
         views = [x.transpose(1, 2) if heads_first else x for x in self.stores]
         self.k = views[0::2]
@@ -75,11 +81,11 @@ class SlotCache:
         self.lens = [0] * rows           # tokens held by each row in use (rows past len(lens) are free)
         # the decode step's inputs and constants, fixed device buffers a CUDA graph reads by address
         self.step_in = torch.zeros(3, rows, dtype=torch.long, device=device)  # token, position, write slot
-        # flat (B * S * Hkv, D) index of (row, slot 0, head), and how far one slot moves it
-        row_head = torch.arange(rows, device=device)[:, None] * heads + torch.arange(heads, device=device)
-        self.slot0 = row_head * S if heads_first else row_head + torch.arange(rows, device=device)[:, None] * (
-            (S - 1) * heads)  # (B, Hkv)
-        self.slot_stride = 1 if heads_first else heads
+        # a key's row in the flat (B * S * Hkv, D) store, from the view's strides, whichever layout: row b, head h
+        # of slot s sits at slot0[b, h] + s * slot_stride
+        row_step, self.slot_stride, head_step = (n // D for n in self.k[0].stride()[:3])
+        self.slot0 = (torch.arange(rows, device=device)[:, None] * row_step
+                      + torch.arange(heads, device=device) * head_step)  # (B, Hkv)
         self.key_slots = torch.arange(S, device=device)
         self.cu_rows = torch.arange(rows + 1, dtype=torch.int32, device=device)  # varlen kernel: one query per row
         self.cu_keys = self.cu_rows * (limit + 1)                                # each row's keys start here
@@ -158,8 +164,7 @@ def cache_rows(model, rows, device, dtype, limit):
     if torch.device(device).type != "cuda":
         return rows
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_row = 2 * cfg.num_hidden_layers * (limit + 1) * cfg.num_key_value_heads * head_dim * dtype.itemsize
+    per_row = 2 * cfg.num_hidden_layers * (limit + 1) * cfg.num_key_value_heads * head_dim(cfg) * dtype.itemsize
     free, _ = torch.cuda.mem_get_info(device)
     fit = rows_that_fit(rows, per_row, free)
     if fit == 0:
@@ -310,10 +315,11 @@ def decode_step(model, cache, rows, kernel="sdpa", key_ranges=None):
     hidden_keys = cache.key_slots > pos[:, None]  # (rows, S)
     mask = torch.zeros(hidden_keys.shape, dtype=dtype, device=pos.device).masked_fill(hidden_keys,
                                                                                       torch.finfo(dtype).min)
-    hidden = model.get_decoder()(input_ids=ids[:, None], attention_mask=mask[:, None, None, :],
-                                 position_ids=pos[:, None], past_key_values=cache, use_cache=True, kv_pos=pos,
-                                 attn_kernel=kernel, key_ranges=key_ranges, cu_rows=cache.cu_rows[:rows + 1],
-                                 cu_keys=cache.cu_keys[:rows + 1]).last_hidden_state  # (rows, 1, H)
+    with sdpa_kernel(SDPA_BACKENDS):
+        hidden = model.get_decoder()(input_ids=ids[:, None], attention_mask=mask[:, None, None, :],
+                                     position_ids=pos[:, None], past_key_values=cache, use_cache=True, kv_pos=pos,
+                                     attn_kernel=kernel, key_ranges=key_ranges, cu_rows=cache.cu_rows[:rows + 1],
+                                     cu_keys=cache.cu_keys[:rows + 1]).last_hidden_state  # (rows, 1, H)
     cache.write_index = None
     return model.get_output_embeddings()(hidden[:, 0]).float()
 
@@ -379,7 +385,6 @@ def _scratch_inputs(cache, pad_id=0):
 
 def capture(model, cache, decoder):
     """One CUDA graph per bucket, largest first, in one shared memory pool, each after an eager warm-up run."""
-    import time
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -392,13 +397,13 @@ def capture(model, cache, decoder):
     pool = None
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), no_cast_cache, sdpa_kernel(SDPA_BACKENDS):
+    with torch.cuda.stream(side), no_cast_cache:
         for rows in sorted(decoder.buckets, reverse=True):
             decode_step(model, cache, rows, decoder.kernel)
     torch.cuda.current_stream().wait_stream(side)
     for rows in sorted(decoder.buckets, reverse=True):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool), no_cast_cache, sdpa_kernel(SDPA_BACKENDS):
+        with torch.cuda.graph(graph, pool=pool), no_cast_cache:
             decoder.logits[:rows].copy_(decode_step(model, cache, rows, decoder.kernel))
         pool = graph.pool()
         decoder.graphs[rows] = graph
@@ -418,17 +423,15 @@ def decode(model, cache, decoder, feeds, pad_id):
     host = torch.tensor([[f if f is not None else pad_id for f in feeds] + [pad_id] * (rows - A),
                          [n if ok else 0 for n, ok in zip(lens, live)],
                          [min(n, cache.limit) if ok else cache.limit for n, ok in zip(lens, live)]])
-    cache.step_in[:, :rows].copy_(host, non_blocking=True)  # the step's only host-to-device copy
+    cache.step_in[:, :rows].copy_(host)  # the step's only host-to-device copy
     if decoder.mode == "ranged":
         cache.reserve(max(lens, default=0) + 1)
         ranges = row_ranges([n if ok else 0 for n, ok in zip(lens, live)], 1)
-        with sdpa_kernel(SDPA_BACKENDS):
-            logits = decode_step(model, cache, rows, decoder.kernel, key_ranges=ranges)
+        logits = decode_step(model, cache, rows, decoder.kernel, key_ranges=ranges)
     elif decoder.mode == "custom":
         logits = decoder.step(model, cache, rows)
     elif decoder.mode == "static":
-        with sdpa_kernel(SDPA_BACKENDS):
-            logits = decode_step(model, cache, rows, decoder.kernel)
+        logits = decode_step(model, cache, rows, decoder.kernel)
     else:
         decoder.graphs[rows].replay()
         logits = decoder.logits[:rows]
@@ -441,8 +444,7 @@ def decode(model, cache, decoder, feeds, pad_id):
 
 def check_replay(model, cache, decoder, rows, live):
     """Debug (SQLRL_CUDA_GRAPHS=check): the eager step must give the replay's logits; it rewrites the same keys."""
-    with sdpa_kernel(SDPA_BACKENDS):
-        eager = decode_step(model, cache, rows, decoder.kernel)
+    eager = decode_step(model, cache, rows, decoder.kernel)
     on = torch.tensor(live, device=eager.device)
     diff = (eager - decoder.logits[:rows])[on].abs().max().item() if on.any() else 0.0
     flips = (eager.argmax(-1) != decoder.logits[:rows].argmax(-1))[on].sum().item()

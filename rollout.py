@@ -208,6 +208,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
         active = [admit(slot) for slot in range(slots)]
         decoder = engine.make_decoder(model, cache, decode)
         while active:
+            # an idle slot holds nothing: it sorts first and adds nothing to what a compaction copies
             cache.lens = [0 if r is None else n for r, n in zip(active, cache.lens)]
             # --- on the CPU, slots sorted by length let each range of rows read only about its own keys; a sort
             # moves most of the cache, so it happens only once the keys a step reads would drop enough
