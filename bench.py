@@ -29,7 +29,8 @@ def bench_grpo(args):
 
     def batch(vocab, rows, seq_len, gen):
         # a quarter prompt, then 3 turns: sampled tokens (mask 1) followed by an observation (mask 0)
-        P, turn_len = seq_len // 4, (seq_len - seq_len // 4) // 3
+        P = seq_len // 4
+        turn_len = (seq_len - seq_len // 4) // 3
         turn_ids = [-1] * P + [t for t in range(3) for _ in range(turn_len)]
         turn_ids += [2] * (seq_len - len(turn_ids))
         mask = [int(t >= 0 and (i - P) % turn_len < turn_len * 2 // 3) for i, t in enumerate(turn_ids)]
@@ -51,17 +52,21 @@ def bench_grpo(args):
         sync()
         return (time.perf_counter() - t0) / steps, metrics
 
-    gen, G = torch.Generator().manual_seed(args.seed), 8
+    gen = torch.Generator().manual_seed(args.seed)
+    G = 8
     if args.device == "cpu":
         model, tokenizer = load_model("tiny", seed=args.seed)
-        rows, seq_len = 16, 512
+        rows = 16
+        seq_len = 512
         trajs, rewards = batch(len(tokenizer), rows, seq_len, gen)
         cfg = GRPOConfig(group_size=G, schema_lambda=0.25, micro_batch_size=8)
         dt, m = run(model, cfg, trajs, rewards, steps=3)
         print(f"grpo tiny/cpu: {rows} x {seq_len} tokens ({m['tokens']} sampled) in {dt * 1e3:.0f} ms/step: "
               f"{rows * seq_len / dt:,.0f} tokens/s ({m['tokens'] / dt:,.0f} sampled tokens/s)")
         return
-    shape, rows, seq_len = "Qwen3-0.6B", 32, 2048
+    shape = "Qwen3-0.6B"
+    rows = 32
+    seq_len = 2048
     model = build_random(shape, dtype=torch.bfloat16, device="cuda")
     trajs, rewards = batch(SHAPES[shape]["vocab_size"], rows, seq_len, gen)
     cfg = GRPOConfig(group_size=G, schema_lambda=0.25, micro_batch_size=8)

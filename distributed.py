@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 def setup_distributed(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     if world > 1 and not dist.is_initialized():
         cuda = args.device.startswith("cuda")
         if cuda:

@@ -44,7 +44,7 @@ SORT_BELOW = 0.8        # CPU decode: sort rows by length once that cuts the key
 # no cuDNN SDPA (Hopper's default): it compiles a plan per key length, so per prefill shape (docs/rollout.md)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 GRAPHS_ENV = "SQLRL_CUDA_GRAPHS"  # 1 (default): replay CUDA graphs; 0: run the same step eagerly; check: compare
-CACHE_HEADROOM = 2 * 2 ** 30      # GPU bytes kept free beside the KV cache for prefill activations and logits
+CACHE_HEADROOM = 2 * 2 ** 30      # bytes kept free beside the KV cache for prefill activations and logits
 _notes_said = set()
 
 # -----------------------------------------------------------------------------
@@ -157,22 +157,47 @@ def rows_that_fit(rows, bytes_per_row, free_bytes):
     return max(0, min(rows, int((free_bytes - CACHE_HEADROOM) // bytes_per_row)))
 
 
-def cache_rows(model, rows, device, dtype, limit):
-    """Rows decoded at once: all of them, unless a GPU's free memory holds fewer full-length rows, which is then
-    said on one line. A GPU cache is allocated whole, at rows x (limit + 1) slots, since growing it would move the
-    buffers a captured graph reads."""
-    if torch.device(device).type != "cuda":
+def kv_bytes_per_row(config, limit, dtype):
+    """Bytes of one cache row of limit + 1 slots (keys and values of every layer)."""
+    return 2 * config.num_hidden_layers * (limit + 1) * config.num_key_value_heads * head_dim(config) * dtype.itemsize
+
+
+def free_memory(device):
+    """Bytes this process can still take: a GPU's free memory, or the host's MemAvailable (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cache_rows(model, rows, device, dtype, limit, budget=None):
+    """Rows decoded at once: all of them, unless fewer full-length rows fit in the free memory (GPU; or the host's,
+    given a budget) or in `budget` bytes, which is then said on one line. A GPU cache is allocated whole, at rows x
+    (limit + 1) slots, since growing it would move the buffers a captured graph reads; a CPU cache commits pages as
+    rows grow, so without a budget it is not sized at all. Raises ValueError when not even one row fits."""
+    device = torch.device(device)
+    if device.type != "cuda" and budget is None:
         return rows
-    cfg = model.config
-    per_row = 2 * cfg.num_hidden_layers * (limit + 1) * cfg.num_key_value_heads * head_dim(cfg) * dtype.itemsize
-    free, _ = torch.cuda.mem_get_info(device)
-    fit = rows_that_fit(rows, per_row, free)
+    per_row = kv_bytes_per_row(model.config, limit, dtype)
+    free = free_memory(device)
+    fit = rows if free is None else rows_that_fit(rows, per_row, free)
+    if budget is not None:
+        fit = min(fit, int(budget // per_row))
+    need = f"{rows} rows x {limit + 1:,} KV slots need {rows * per_row / 1e9:.1f} GB"
+    room = f"{free / 1e9:.1f} GB free" if free is not None else "free memory unknown"
+    if budget is not None:
+        room += f", a {budget / 2 ** 30:g} GiB budget"
     if fit == 0:
-        raise ValueError(f"one row of {limit + 1:,} KV slots needs {per_row / 1e9:.1f} GB and {free / 1e9:.1f} GB "
-                         f"of GPU memory is free: lower --max-total-tokens")
+        raise ValueError(f"one row of {limit + 1:,} KV slots needs {per_row / 1e9:.2f} GB ({room}): lower "
+                         f"--max-total-tokens{' or raise --kv-cache-gb' if budget is not None else ''}")
     if fit < rows:
-        say_once(f"rollout: {rows} rows x {limit + 1:,} KV slots need {rows * per_row / 1e9:.1f} GB, "
-                 f"{free / 1e9:.1f} GB free: decoding {fit} rows at once")
+        say_once(f"rollout: {need} ({room}): decoding {fit} rows at once")
     return fit
 
 
@@ -210,7 +235,8 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         return out, None  # (A, 1, H, D)
     if attn_kernel == "varlen":
         A, H, _, D = query.shape
-        S, Hkv = key.shape[2], key.shape[1]
+        S = key.shape[2]
+        Hkv = key.shape[1]
         out = torch.ops.aten._flash_attention_forward(
             query.reshape(A, H, D).to(key.dtype), key.transpose(1, 2).reshape(A * S, Hkv, D),
             value.transpose(1, 2).reshape(A * S, Hkv, D), cu_rows, cu_keys, 1, S, 0.0, False, False, scale=scaling,

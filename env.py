@@ -98,6 +98,11 @@ def _authorizer(reasons):
     return auth
 
 
+def _lossy_text(raw: bytes) -> str:
+    """SQLite text as str, undecodable bytes replaced: a database or an expression may hold any bytes."""
+    return raw.decode("utf-8", "replace")
+
+
 def _guard(name, nargs, budget, reasons):
     sql = f"SELECT {name}({', '.join('?' * nargs)})"
 
@@ -110,7 +115,7 @@ def _guard(name, nargs, budget, reasons):
         if conn is None:
             conn = _local.conn = sqlite3.connect(":memory:")
             conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
-            conn.text_factory = lambda b: b.decode("utf-8", "replace")  # replace(CAST(x AS BLOB), ..) is any bytes
+            conn.text_factory = _lossy_text  # replace(CAST(x AS BLOB), ..) is any bytes
         try:
             return conn.execute(sql, args).fetchone()[0]
         except sqlite3.Error as e:  # e.g. "string or blob too big": SQLite's own words, as without the guard
@@ -125,8 +130,12 @@ def _guard(name, nargs, budget, reasons):
 
 def _watch_init():  # also in a forked child, which has no watchdog thread and may hold a copy of a taken lock
     global _watched, _watch_lock, _watch_wake, _watch_thread, _watch_next, _local
-    _watched, _watch_lock, _watch_wake, _watch_thread = {}, threading.Lock(), threading.Event(), None
-    _watch_next, _local = float("inf"), threading.local()
+    _watched = {}
+    _watch_lock = threading.Lock()
+    _watch_wake = threading.Event()
+    _watch_thread = None
+    _watch_next = float("inf")
+    _local = threading.local()
 
 
 _watch_init()
@@ -156,7 +165,8 @@ def _watch(conn, deadline, timed_out):
             _watch_thread.start()
         _watched[conn] = (deadline, timed_out)
         # it sleeps until _watch_next: only an earlier deadline wakes it (waking it per query cost 20% throughput)
-        wake, _watch_next = deadline < _watch_next, min(deadline, _watch_next)
+        wake = deadline < _watch_next  # before _watch_next moves
+        _watch_next = min(deadline, _watch_next)
     if wake:
         _watch_wake.set()
 
@@ -203,7 +213,10 @@ def _uri(abs_path):  # percent-encodes odd characters; cached because it is ~15%
 
 
 def _fetch(conn, sql, max_rows):
-    cur, rows, nbytes, truncated = conn.execute(sql), [], 0, False
+    cur = conn.execute(sql)
+    rows = []
+    nbytes = 0
+    truncated = False
     for row in cur:
         if len(rows) >= max_rows or nbytes > MAX_RESULT_BYTES:
             truncated = True
@@ -236,7 +249,9 @@ def run_sql(db_path, sql, timeout_s=TIMEOUT_S, max_rows=10_000) -> SQLResult:
     """Run one read-only statement within timeout_s + 0.2 s. Never raises: every failure comes back in .error
     (at most MAX_ERROR_CHARS, without file paths)."""
     t0 = time.monotonic()
-    error, reasons, timed_out = _refusal(sql), [], []
+    error = _refusal(sql)
+    reasons = []
+    timed_out = []
     columns, rows, truncated = [], [], False
     try:
         if error is None:
@@ -250,7 +265,7 @@ def run_sql(db_path, sql, timeout_s=TIMEOUT_S, max_rows=10_000) -> SQLResult:
                     if "decode" not in str(e) or timed_out:
                         raise
                     # Non-UTF-8 text in the database: fetch again, replacing the undecodable bytes.
-                    conn.text_factory = lambda b: b.decode("utf-8", "replace")
+                    conn.text_factory = _lossy_text
                     columns, rows, truncated = _fetch(conn, sql, int(max_rows))
     except Exception as e:  # noqa: BLE001 - untrusted SQL: anything that goes wrong becomes the agent's error text
         columns, rows, truncated = [], [], False
@@ -269,7 +284,8 @@ def _cap(text, n):  # every text the agent sees is bounded, whatever produced it
 
 def _clean_error(e, db_path):
     # SQLite messages name tables/columns, not files, but scrub the path anyway in case one ever leaks through.
-    msg, full = str(e), os.path.abspath(str(db_path))
+    msg = str(e)
+    full = os.path.abspath(str(db_path))
     for p in (full, os.path.dirname(full), str(db_path)):
         if len(p) > 1:
             msg = msg.replace(p, "<db>")
@@ -316,7 +332,8 @@ def results_match(pred_rows, gold_rows, mode="bird", order_matters=False) -> boo
     >>> results_match([], [], "spider"), results_match([(1,)], [(1, 1)], "spider")
     (True, False)
     """
-    pred, gold = [tuple(r) for r in pred_rows], [tuple(r) for r in gold_rows]
+    pred = [tuple(r) for r in pred_rows]
+    gold = [tuple(r) for r in gold_rows]
     if mode == "bird":
         return set(pred) == set(gold)
     if mode != "spider":
@@ -374,7 +391,8 @@ def format_observation(result, max_rows=30, max_chars=4000) -> str:
     lines = [" | ".join(map(str, result.columns))[:max_chars]]
     if not result.rows:
         return lines[0] + "\n(0 rows)"
-    size, shown = len(lines[0]), 0
+    size = len(lines[0])
+    shown = 0
     for row in result.rows[:max_rows]:
         line = " | ".join(map(_cell, row))
         if size + 1 + len(line) > max_chars:
@@ -417,7 +435,8 @@ def describe_schema(db_path, style="list", example_values=0) -> str:
 
 @lru_cache(maxsize=512)  # prompts are built for every rollout; the key includes mtime so a rebuilt db is re-read
 def _describe(path, mtime_ns, size, style, k):
-    out, fks = [], []
+    out = []
+    fks = []
     with _open(path, time.monotonic() + 60.0, [], []) as conn:
         for name, create in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT "
                                          "NULL AND name NOT LIKE 'sqlite_%' ORDER BY rowid").fetchall():
@@ -459,7 +478,8 @@ def load_examples(jsonl_path) -> list[dict]:
     jsonl_path = Path(jsonl_path)
     if not jsonl_path.is_file():
         raise FileNotFoundError(f"examples file not found: {jsonl_path} (run the dataset's prepare.py first)")
-    examples, seen_dbs = [], set()
+    examples = []
+    seen_dbs = set()
     for n, line in enumerate(jsonl_path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -571,16 +591,20 @@ def step(episode, turn_text, result: SQLResult | None = None):
     reason = _cap(str(action.feedback), MAX_ERROR_CHARS)  # the parsers may echo the agent's own text
     warning = f"Format problem: {reason}.\n" if not action.valid and action.name != "invalid" else ""
     if action.name == proto.answer_action:
-        episode.final_sql, episode.done, episode.stop_reason = action.sql, True, "answer"
+        episode.final_sql = action.sql
+        episode.done = True
+        episode.stop_reason = "answer"
     elif turn >= episode.max_turns:  # the forced final turn did not answer: it ends the episode, nothing runs
-        episode.done, episode.stop_reason = True, "max_turns"
+        episode.done = True
+        episode.stop_reason = "max_turns"
     elif _runs_sql(action):
         result = result if result is not None else run_sql(episode.example["db_path"], action.sql)
         episode.num_tool_calls += 1
         error = result.error
         obs = warning + format_observation(result, max_rows=proto.max_rows)
     elif action.name == "propose_schema":
-        episode.propose_turn, episode.proposed_schema = turn, action.schema
+        episode.propose_turn = turn
+        episode.proposed_schema = action.schema
         n_cols = sum(len(c) for c in action.schema["columns"].values())
         obs = (warning + f"Schema recorded: {len(action.schema['tables'])} tables, {n_cols} columns, "
                f"{len(action.schema['joins'])} joins. Continue with generate_sql, or explore_schema if anything is "
@@ -590,7 +614,8 @@ def step(episode, turn_text, result: SQLResult | None = None):
     episode.exec_errors.append(error)
     turns_left = episode.max_turns - len(episode.actions)
     if not episode.done and turns_left <= 0 and not (proto.force_final and turns_left == 0):
-        episode.done, episode.stop_reason = True, "max_turns"
+        episode.done = True
+        episode.stop_reason = "max_turns"
     if episode.done:
         return None, True
     return proto.wrap_observation(_cap(obs, MAX_OBS_CHARS), turns_left), False

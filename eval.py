@@ -44,7 +44,7 @@ ERROR_CLASSES = ("generation", "syntax", "hallucination", "schema_linking", "sem
 DIFFICULTY_ORDER = ("easy", "medium", "hard", "extra", "simple", "moderate", "challenging")
 
 # -----------------------------------------------------------------------------
-# metrics: unbiased pass@k and execution-consensus majority voting
+# metrics: unbiased pass@k, intervals and execution-consensus majority voting
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -60,6 +60,27 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def pass_ks(samples: int) -> list[int]:
     """The k reported for pass@k: TRUST's {1, 4, 6, 8}, powers of two, and the sample count itself."""
     return sorted({k for k in (1, 2, 4, 6, 8, 16, 32, 64) if k <= samples} | {samples})
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of an accuracy correct / n: honest at 100 questions and near 0 or 1."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = correct / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, float(center - half)), min(1.0, float(center + half)))  # rounding may step past 0 or 1
+
+
+def paired_bootstrap(before: list, after: list, samples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of mean(after) - mean(before), the same questions resampled for both: a change in EX between two
+    checkpoints, with the questions' own difficulty cancelled out."""
+    diff = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)  # (n,)
+    if diff.size == 0:
+        return (0.0, 0.0)
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, diff.size, size=(samples, diff.size))].mean(axis=1)  # (samples,)
+    return (float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5)))
 
 
 def majority_vote(results: list) -> int | None:
@@ -103,11 +124,16 @@ def score(examples: list[dict], sqls: list, scoring="bird", timeout_s=30.0, work
     on the example's first database, for majority voting and the error taxonomy."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-    jobs, preds, firsts = [], [], []  # one job per (example, database)
+    jobs = []  # one job per (example, database)
+    preds = []
+    firsts = []
     for ex, sql in zip(examples, sqls):
-        gold, pred, order = ex["gold_sql"], sql, scoring == "spider-strict" and gold_order_matters(ex["gold_sql"])
+        gold = ex["gold_sql"]
+        pred = sql
+        order = scoring == "spider-strict" and gold_order_matters(ex["gold_sql"])
         if scoring == "spider":
-            gold, pred = spider_sql(gold, pred=False), sql and spider_sql(sql, pred=True)
+            gold = spider_sql(gold, pred=False)
+            pred = sql and spider_sql(sql, pred=True)
             order = "order by" in gold.lower()
         dbs = ts_databases(ex, ts_dir)
         if not dbs:
@@ -115,7 +141,8 @@ def score(examples: list[dict], sqls: list, scoring="bird", timeout_s=30.0, work
         firsts.append(len(jobs))
         jobs += [dict(ex, db_path=db, gold_sql=gold, order=order) for db in dbs]
         preds += [pred] * len(dbs)
-    golds, results = gold_results(jobs, timeout_s, workers), execute_predictions(jobs, preds, timeout_s, workers)
+    golds = gold_results(jobs, timeout_s, workers)
+    results = execute_predictions(jobs, preds, timeout_s, workers)
     mode = "bird" if scoring == "bird" else "spider"  # env.results_match: sets, or bags up to a column permutation
     ok = [is_correct(r, g, mode, job["order"]) for r, g, job in zip(results, golds, jobs)]
     return ([all(ok[a:b]) for a, b in zip(firsts, firsts[1:] + [len(jobs)])], [results[i] for i in firsts],
@@ -284,14 +311,22 @@ def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
                          protocol=args.protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
                          max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
                          temperature=0.0, top_p=1.0, seed=args.seed)
-    out, start = {}, 0
+    out = {}
+    start = 0
     for name, examples in mine.items():
-        part, start = trajs[start:start + len(examples)], start + len(examples)
+        part = trajs[start:start + len(examples)]
+        start += len(examples)
         spider = all(ex.get("source") == "spider" for ex in evalsets[name])
         ok = score(examples, [t.episode.final_sql for t in part], "spider" if spider else "bird")[0] if part else []
         tot = all_reduce_sum(torch.tensor([sum(ok), sum(t.num_turns for t in part), len(part)],
                                           dtype=torch.float64)).tolist()
-        out[name] = {"ex": tot[0] / max(tot[2], 1), "turns": tot[1] / max(tot[2], 1), "n": int(tot[2])}
+        correct = {ex["id"]: bool(c) for ex, c in zip(examples, ok)}  # per question: paired comparisons later
+        if world > 1:
+            gathered = [None] * world
+            torch.distributed.all_gather_object(gathered, correct)
+            correct = {i: c for part in gathered for i, c in part.items()}
+        out[name] = {"ex": tot[0] / max(tot[2], 1), "turns": tot[1] / max(tot[2], 1), "n": int(tot[2]),
+                     "correct": correct}
     return out
 
 def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_size, **rollout_kw):
@@ -324,11 +359,13 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def markdown_report(summary: dict) -> str:
-    m, keys = summary["metrics"], list(summary["metrics"])
+    m = summary["metrics"]
+    keys = list(m)
     by_diff = [[d, row["n"]] + [100 * row[k] for k in keys] for d, row in summary["by_difficulty"].items()]
     cost = [[run, 100 * acc, c["latency_s"], c["output_tokens"] / 1000, c["turns"], c["tool_calls"]]
             for (run, c), acc in zip(summary["cost"].items(), [m["greedy_ex"], m.get("pass@1")])]
-    counts, examples = summary["errors"]["counts"], summary["errors"]["examples"]
+    counts = summary["errors"]["counts"]
+    examples = summary["errors"]["examples"]
     errors = [[c, n, _one_line(examples.get(c))] for c, n in counts.items() if n or c != "gold_error"]
     return "\n\n".join([
         f"## {summary['name']}: {summary['n']} questions, {summary['protocol']} protocol, schema "

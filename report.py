@@ -1,10 +1,12 @@
 """
 The record of a train.py run: metrics.jsonl (and Weights & Biases), curves.png, and at the end the table of EX after
-each stage, the stage seconds and results.json.
+each stage with its intervals, the stage seconds and results.json.
 
     python train.py --model tiny --quick     # out/quick/: metrics.jsonl, curves.png, results.json
 """
 import json
+
+from eval import paired_bootstrap, wilson_interval
 
 # -----------------------------------------------------------------------------
 # metrics.jsonl
@@ -14,7 +16,9 @@ class Logger:
     """metrics.jsonl (+ wandb) on rank 0. On resume, lines past the checkpoint are dropped so the log stays exact."""
 
     def __init__(self, run_dir, args, rank, gstep):
-        self.on, self.path, self.wandb = rank == 0, run_dir / "metrics.jsonl", None
+        self.on = rank == 0
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = None
         if not self.on:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +60,7 @@ def plot_curves(rows, path):
     fig, ax = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
     ax[0].plot(x(sft), [r["loss"] for r in sft])
     ax[0].set(title="SFT", ylabel="masked NLL per agent token")
-    # markers: the demo's RL is one step, and a one-point line draws nothing
+    # markers: a one-step RL run draws no line
     ax[1].plot(x(rl), [r["reward_full"] for r in rl], "o-", label="reward (full track)")
     if rl and "reward_schema" in rl[0]:
         ax[1].plot(x(rl), [r["reward_schema"] for r in rl], "o-", label="reward (schema track)")
@@ -84,16 +88,44 @@ def plot_curves(rows, path):
     return True
 
 
+def ex_intervals(evals):
+    """Per stage and eval set: EX with its 95 % Wilson interval; per set, RL - SFT on the same questions with a 95 %
+    paired bootstrap interval. Fractions, as evals holds them."""
+    out = {tag: {name: {"ex": e["ex"], "n": e["n"], "wilson_95": wilson_interval(round(e["ex"] * e["n"]), e["n"])}
+                 for name, e in sets.items()} for tag, sets in evals.items()}
+    if "sft" in evals and "rl" in evals:
+        out["rl_minus_sft"] = {}
+        for name, e in evals["rl"].items():
+            if "correct" not in e or "correct" not in evals["sft"].get(name, {}):  # a run resumed from before them
+                continue
+            before = evals["sft"][name]["correct"]
+            ids = sorted(before)
+            after = [e["correct"][i] for i in ids]
+            gain = sum(after) / max(len(ids), 1) - sum(before[i] for i in ids) / max(len(ids), 1)
+            out["rl_minus_sft"][name] = {"gain": gain,
+                                         "bootstrap_95": paired_bootstrap([before[i] for i in ids], after)}
+    return out
+
+
 def report(run_dir, evals, times, log):
-    """The end of a train.py run: EX after each stage as a table, stage seconds, results.json and curves.png."""
+    """The end of a train.py run: EX after each stage with 95 % intervals, RL's gain with a paired interval, stage
+    seconds, results.json and curves.png."""
     names = list(next(iter(evals.values()), {}))
-    print("\n| checkpoint | " + " | ".join(f"{name} EX %" for name in names) + " |\n" + "|---" * (1 + len(names)) + "|")
+    stats = ex_intervals(evals)
+    print("\n| checkpoint | " + " | ".join(f"{name} EX % [95 % CI]" for name in names) + " |\n"
+          + "|---" * (1 + len(names)) + "|")
     for label, tag in [("SFT", "sft"), ("SFT + RL", "rl")]:
         if tag in evals:
-            print(f"| {label} | " + " | ".join(f"{100 * evals[tag][name]['ex']:.1f}" for name in names) + " |")
+            cells = [f"{100 * s['ex']:.1f} [{100 * s['wilson_95'][0]:.0f}, {100 * s['wilson_95'][1]:.0f}]"
+                     for s in stats[tag].values()]
+            print(f"| {label} | " + " | ".join(cells) + " |")
+    for name, g in stats.get("rl_minus_sft", {}).items():
+        lo, hi = g["bootstrap_95"]
+        print(f"RL - SFT on {name}: {100 * g['gain']:+.1f} points (95 % paired bootstrap [{100 * lo:+.1f}, "
+              f"{100 * hi:+.1f}])")
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     if plot_curves(log.rows(), run_dir / "curves.png"):
         print(f"wrote {run_dir / 'curves.png'}")
-    (run_dir / "results.json").write_text(json.dumps({**evals, "seconds": times}, indent=1))
+    (run_dir / "results.json").write_text(json.dumps({**evals, "intervals": stats, "seconds": times}, indent=1))
     if log.wandb:
         log.wandb.finish()

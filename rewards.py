@@ -64,7 +64,9 @@ def bare_joins(sql: str) -> int:
         tokens = sqlglot.tokenize(sql, read="sqlite")
     except SqlglotError:
         return 0
-    depth, pending, bare = 0, {}, 0  # pending[d]: the last JOIN at paren depth d still lacks its ON/USING
+    depth = 0
+    pending = {}  # pending[d]: the last JOIN at paren depth d still lacks its ON/USING
+    bare = 0
     for kind in (t.token_type for t in tokens):
         if kind == TokenType.L_PAREN:
             depth += 1
@@ -97,7 +99,8 @@ def _extract_schema(sql: str, db_path: str) -> tuple[frozenset, frozenset]:
         tree = qualify(tree.copy(), schema=_qualify_schema(db_path), **opts)
     except OptimizeError:  # e.g. `a.wages` on a table without `wages`: resolve aliases without the schema
         tree = qualify(tree, **opts)
-    tables, columns = set(), set()
+    tables = set()
+    columns = set()
     for scope in traverse_scope(tree):
         real = {alias: src.name.lower() for alias, src in scope.sources.items() if isinstance(src, exp.Table)}
         tables.update(real.values())
@@ -291,7 +294,8 @@ def bigram_jaccard(pred_sql: str | None, gold_sql: str) -> float:
     except SqlglotError:  # untrusted text that does not even tokenize (e.g. an unclosed quote)
         return 0.0
     gold = sql_tokens(gold_sql)
-    bp, bg = set(zip(pred, pred[1:])), set(zip(gold, gold[1:]))
+    bp = set(zip(pred, pred[1:]))
+    bg = set(zip(gold, gold[1:]))
     return len(bp & bg) / len(bp | bg) if bp | bg else 0.0
 
 
@@ -375,7 +379,8 @@ def trust_reward(traj, example, variant="sparse_coupled"):
     """TRUST-SQL eq. 4: full = R_exec + R_fmt; schema = f_match(K^, K*) on the schema track."""
     ep = traj.episode
     outcome = execution_outcome(ep.final_sql, example)
-    r_exec, r_fmt = exec_trust(outcome), format_trust(ep)
+    r_exec = exec_trust(outcome)
+    r_fmt = format_trust(ep)
     proposed = proposed_schema_items(ep.proposed_schema) if ep.propose_turn >= 0 else set()
     r_schema = trust_schema_reward(proposed, gold_items(example), outcome, variant)
     return {"full": r_exec + r_fmt, "schema": r_schema, "exec": r_exec, "format": r_fmt,

@@ -29,7 +29,9 @@ def tokenize_chat(messages, tokenizer):
         raise ValueError("the tokenizer has no chat template; SFT renders trajectories with it. Use a chat model or "
                          "set tokenizer.chat_template (a ChatML template, say)")
     eos = tokenizer.eos_token
-    ids, mask, done = [], [], ""
+    ids = []
+    mask = []
+    done = ""
 
     def add(text, trained):
         if text:
@@ -61,7 +63,8 @@ def load_sft_data(path, tokenizer, max_len, rank=0):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data {path} not found; write it with `python data/teacher.py --out {path}`")
-    rows, too_long = [], 0
+    rows = []
+    too_long = 0
     for line in path.read_text().splitlines():
         if line.strip():
             ids, mask = tokenize_chat(json.loads(line)["messages"], tokenizer)
@@ -87,7 +90,8 @@ def pad_batch(rows, pad_id, device):
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), T), dtype=torch.long)
     for i, (x, m) in enumerate(rows):
-        ids[i, : len(x)], mask[i, : len(m)] = torch.tensor(x), torch.tensor(m)
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(m)] = torch.tensor(m)
     return ids.to(device), mask.to(device)
 
 
@@ -98,7 +102,8 @@ class AgentTokenLoss(torch.nn.Module):
 
     def __init__(self, model, full_forward=False):
         super().__init__()
-        self.model, self.full_forward = model, full_forward  # FSDP: go through the root module's forward
+        self.model = model
+        self.full_forward = full_forward  # FSDP: go through the root module's forward
 
     def forward(self, ids, mask, global_tokens, world):  # ids, mask: (B, T), right padded
         target = mask[:, 1:] > 0  # position t-1 predicts token t

@@ -47,7 +47,8 @@ def unknown_names(tree, db_path: str) -> list[str]:
     except (sqlglot.errors.SqlglotError, RecursionError):  # cannot scope it: table names were still checked
         scopes = []
     for scope in scopes:
-        sources, s = {}, scope
+        sources = {}
+        s = scope
         while s is not None:  # innermost definition of an alias wins
             for alias, src in s.sources.items():
                 sources.setdefault(alias.lower(), src)
@@ -60,7 +61,8 @@ def unknown_names(tree, db_path: str) -> list[str]:
             # a scope also lists the columns of its subqueries; check each in its own (innermost) SELECT only
             if isinstance(col.this, exp.Star) or col.find_ancestor(exp.Select) is not scope.expression:
                 continue
-            name, qual = col.name.lower(), col.table.lower()
+            name = col.name.lower()
+            qual = col.table.lower()
             if qual:
                 if qual in real and name not in schema[real[qual]]:
                     missing.append(f"column {col.sql()}")

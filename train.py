@@ -12,7 +12,9 @@ Checkpoints (out/<run-name>/ckpt-XXXXXX; the default run name is run-<date>-<tim
 optimizer/scheduler/RNG/data position; --resume continues the latest one exactly. A new run refuses a folder that
 holds checkpoints (pass --resume, another --run-name or --overwrite): it never deletes what it did not write.
 """
+import argparse
 import copy
+import ctypes
 import functools
 import json
 import math
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 import cli  # noqa: E402
+import engine  # noqa: E402
 import env  # noqa: E402
 import protocols  # noqa: E402
 import rollout  # noqa: E402
@@ -57,43 +60,49 @@ hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleav
 # train_batch_size): no paper says prompts or trajectories. No paper gives the clip range (SQL-Trail eq. 2 only has
 # ε_low < ε_high): 0.2 / 0.28 are DAPO's values, our choice for the clip-higher recipes.
 RECIPES = {
-    # TRUST-SQL, Qwen3-4B: unknown schema (§4.2), λ 0.25 (§3.4, §5.1); Table 8: SFT lr 1e-5, batch 256, RL lr 1e-6,
-    # batch 32, G 8, 10 turns; App. A.3: keep pass rate < 6/8 over 8 rollouts. Its RL temperature is not stated.
+    # TRUST-SQL, Qwen3-4B: unknown schema (§4.2), λ 0.25 (§3.4, §5.1); Table 8: SFT lr 1e-5, batch 256, 2 epochs; RL
+    # lr 1e-6, batch 32, 3 epochs, G 8, 10 turns; App. A.3: keep pass rate < 6/8 over 8 rollouts. Its RL temperature
+    # is not stated. 4 optimizer steps per rollout batch are ours, so that our clip-higher acts.
     "trust": dict(protocol="trust", reward="trust", schema_mode="none", schema_lambda=0.25, max_turns=10,
-                  group_size=8, sft_lr=1e-5, sft_batch_size=256, rl_lr=1e-6, rl_batch_size=32, filter_k=8,
-                  filter_pass_rate=0.75, eps_low=0.2, eps_high=0.28, traj_filter=0, stage="both"),
-    # SQL-Trail: schema in the prompt (App. A.8), no KL, clip-higher (§3.3.1); A.5: SFT lr 1e-5, batch 128, RL lr
-    # 1e-6, batch 128, G 6, 10 turns, T 1.0, top-p 0.99; A.6: 700 questions by S(q) over 6 rollouts + 327 unsolved;
-    # Alg. 1 line 31: a forced final answer
+                  group_size=8, sft_lr=1e-5, sft_batch_size=256, sft_epochs=2, rl_lr=1e-6, rl_batch_size=32,
+                  rl_epochs=3, ppo_mini_batches=4, filter_k=8, filter_pass_rate=0.75, eps_low=0.2, eps_high=0.28,
+                  traj_filter=0, stage="both"),
+    # SQL-Trail: schema in the prompt (App. A.8), no KL, clip-higher against "the policy before the update step"
+    # (§3.3.1); A.5: SFT lr 1e-5, batch 128, 2 epochs, betas (0.9, 0.95), warm-up 0.1, cosine; RL lr 1e-6, batch 128,
+    # G 6, 10 turns, T 1.0, top-p 0.99, reported at step 108; A.6: 700 questions by S(q) over 6 rollouts + 327
+    # unsolved; Alg. 1 line 31: a forced final answer. The 4 optimizer steps per rollout batch are ours.
     "trail": dict(protocol="trail", reward="trail", schema_mode="prompt", schema_lambda=0.0, max_turns=10,
-                  group_size=6, sft_lr=1e-5, sft_batch_size=128, rl_lr=1e-6, rl_batch_size=128, temperature=1.0,
-                  top_p=0.99, filter_k=6, filter_top_n=700, filter_unsolved_n=327, force_final_answer=1,
-                  eps_low=0.2, eps_high=0.28, traj_filter=0, stage="both"),
+                  group_size=6, sft_lr=1e-5, sft_batch_size=128, sft_epochs=2, rl_lr=1e-6, rl_batch_size=128,
+                  rl_steps=108, ppo_mini_batches=4, temperature=1.0, top_p=0.99, filter_k=6, filter_top_n=700,
+                  filter_unsolved_n=327, force_final_answer=1, eps_low=0.2, eps_high=0.28, traj_filter=0,
+                  stage="both"),
     # MTIR-SQL, Qwen3-4B (§4.1): no SFT, schema in the prompt, RL lr 1e-6, batch 64, G 5, T 0.6, 6 turns; no KL and
-    # a trajectory filter (§3.1, eq. 3); no clip-higher
+    # a trajectory filter (§3.1, eq. 3); no clip-higher, and one optimizer step per batch (GRPO as eq. 2 writes it).
+    # Its length is not stated: the parser's 200 steps.
     "mtir": dict(protocol="mtir", reward="mtir", schema_mode="prompt", schema_lambda=0.0, max_turns=6, group_size=5,
                  rl_lr=1e-6, rl_batch_size=64, temperature=0.6, filter_k=0, eps_low=0.2, eps_high=0.2, traj_filter=1,
                  stage="rl"),
     # SkyRL-SQL, Qwen2.5-Coder-7B-Instruct (§5): no SFT, full schema in the prompt, RL lr 1e-6, batch 256, 35 steps,
-    # G 5, T 0.6, top-p 0.95, 5 turns; the -1 / 0 / 1 reward (§4.1)
+    # G 5, T 0.6, top-p 0.95, 5 turns (§5; §4 says 4 for its other runs); the -1 / 0 / 1 reward (§4.1); one
+    # optimizer step per batch
     "skyrl": dict(protocol="skyrl", reward="skyrl", schema_mode="prompt", schema_lambda=0.0, max_turns=5,
                   group_size=5, rl_lr=1e-6, rl_batch_size=256, rl_steps=35, temperature=0.6, top_p=0.95, filter_k=0,
                   eps_low=0.2, eps_high=0.2, traj_filter=0, stage="rl"),
 }
-
 # --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
 # paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and answers. RL sees only
-# questions SFT sometimes solves (S(q) over 4 rollouts of 48; docs/experiments.md): 12 groups, 3 mini-batch steps.
+# questions SFT sometimes solves (S(q) over 4 rollouts of 48; docs/experiments.md): 12 of them, 4 per GRPO step, six
+# steps. One sequence per forward + backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
-            max_new_tokens=160, max_total_tokens=2048, sft_steps=48, sft_batch_size=4, micro_batch_size=4,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=1, rl_batch_size=12, ppo_mini_batch_size=4, ppo_epochs=1,
+            max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
+            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=6, rl_batch_size=4, ppo_mini_batches=1,
             group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=48, filter_top_n=12,
             filter_unsolved_n=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
-             rl_steps=2, sft_batch_size=4, rl_batch_size=2, group_size=2, teacher_limit=16, eval_limit=4, eval_every=0,
-             ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024, filter_k=0, filter_limit=0,
-             run_name="quick")
+             rl_steps=2, sft_batch_size=4, rl_batch_size=2, ppo_mini_batches=1, group_size=2, teacher_limit=16,
+             eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024,
+             filter_k=0, filter_limit=0, run_name="quick")
 
 
 def get_parser(add_help=True):
@@ -146,15 +155,20 @@ def get_parser(add_help=True):
                    help="sampling temperature of RL rollouts (eval is greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of RL rollouts")
     # SFT
-    p.add_argument("--sft-steps", type=cli.positive_int, default=150,
-                   help="TRUST: 9.2k questions x 2 epochs / batch 256")
+    p.add_argument("--sft-steps", type=cli.positive_int, default=150, help="SFT optimizer steps (without --sft-epochs)")
+    p.add_argument("--sft-epochs", type=float, default=0.0,
+                   help="SFT length in passes over the SFT data, rounded up to whole steps (0: --sft-steps; a "
+                        "--sft-steps typed or preset above it wins)")
     p.add_argument("--sft-batch-size", type=cli.positive_int, default=128,
                    help="trajectories per step, all ranks together")
     p.add_argument("--sft-lr", type=float, default=1e-5, help="peak SFT learning rate")
     p.add_argument("--teacher-limit", type=cli.nonneg_int, default=0,
                    help="teacher trajectories from the first N examples (0 = all)")
     # RL
-    p.add_argument("--rl-steps", type=cli.positive_int, default=200, help="GRPO steps")
+    p.add_argument("--rl-steps", type=cli.positive_int, default=200, help="GRPO steps (without --rl-epochs)")
+    p.add_argument("--rl-epochs", type=float, default=0.0,
+                   help="RL length in passes over the questions the difficulty filter keeps, rounded up to whole "
+                        "steps (0: --rl-steps; a --rl-steps typed or preset above it wins)")
     p.add_argument("--rl-batch-size", type=cli.positive_int, default=32,
                    help="prompts per step, all ranks together (x group size rollouts)")
     p.add_argument("--rl-lr", type=float, default=1e-6, help="peak RL learning rate")
@@ -171,9 +185,10 @@ def get_parser(add_help=True):
     p.add_argument("--dynamic-sampling-rounds", type=cli.nonneg_int, default=3,
                    help="extra rollout rounds per step at most (the cap)")
     p.add_argument("--ppo-epochs", type=cli.positive_int, default=1, help="passes over each batch of rollouts")
-    p.add_argument("--ppo-mini-batch-size", type=cli.nonneg_int, default=0,
-                   help="prompts per optimizer step (verl's ppo_mini_batch_size): rl-batch-size / this steps per "
-                        "batch, all against the log-probs before the first (0 = whole batch)")
+    p.add_argument("--ppo-mini-batches", type=cli.positive_int, default=1,
+                   help="optimizer steps per rollout batch, each on an equal share of its prompts, all against the "
+                        "log-probs before the first (verl's ppo_mini_batch_size is rl-batch-size / this); with 1 the "
+                        "ratio is 1 and the clip never acts")
     p.add_argument("--kl-beta", type=float, default=0.0,
                    help="k3 KL to a frozen copy of the start policy (0 = off: Trail, MTIR)")
     p.add_argument("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"],
@@ -210,7 +225,10 @@ def get_parser(add_help=True):
     p.add_argument("--eval-limit", type=cli.nonneg_int, default=0, help="dev/test examples per eval (0 = all)")
     p.add_argument("--eval-batch-size", type=cli.positive_int, default=64,
                    help="rows a rank decodes at once: eval, the difficulty filter and RL rollouts (their KV cache: "
-                        "rows x --max-total-tokens x KV bytes per token; fewer rows where a GPU lacks it)")
+                        "rows x --max-total-tokens x KV bytes per token; fewer rows where memory lacks it)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0,
+                   help="CPU: the most GiB the rollouts' KV cache may take; --eval-batch-size shrinks to fit it and "
+                        "the machine's available memory (a GPU fits its free memory)")
     p.add_argument("--ckpt-every", type=cli.nonneg_int, default=50, help="0 = only at the end of each stage")
     p.add_argument("--keep-ckpts", type=cli.nonneg_int, default=2, help="0 = all")
     p.add_argument("--resume", action="store_true", help="continue the latest checkpoint in --out-dir/--run-name")
@@ -233,18 +251,54 @@ def get_parser(add_help=True):
     return p
 
 
+def presets(first):
+    """The presets under the command line, lowest first: (name, {flag: default}). first: the parsed --recipe, --model,
+    --quick. A train.py checkpoint as --model brings the prompt variant and limits it was trained in."""
+    out = [(f"recipe {first.recipe}", RECIPES[first.recipe])]
+    if first.model == "smollm2" and not first.quick:  # --quick is a preset of its own, not a smaller demo
+        out.append(("demo", DEMO))
+    out.append(("checkpoint", trained_settings(first.model)))
+    if first.quick:
+        out.append(("quick", QUICK))
+    return out
+
+
+SOURCE_ORDER = ["parser", "recipe", "demo", "checkpoint", "quick", "command line"]  # lowest first
+
+
 def get_args(argv=None):
-    """Parse once for --recipe/--model/--quick, make their presets the defaults, parse again: explicit flags win.
-    A train.py checkpoint as --model brings the prompt variant and limits it was trained in (eval.trained_settings)."""
+    """Parse once for --recipe/--model/--quick, make their presets the defaults, parse again: explicit flags win."""
     parser = get_parser()
     first, _ = get_parser(add_help=False).parse_known_args(argv)  # --help waits for the presets: it shows them
-    parser.set_defaults(**RECIPES[first.recipe])
-    if first.model == "smollm2" and not first.quick:  # --quick is a preset of its own, not a smaller demo
-        parser.set_defaults(**DEMO)
-    parser.set_defaults(**trained_settings(first.model))
-    if first.quick:
-        parser.set_defaults(**QUICK)
-    return parser.parse_args(argv)
+    for _, preset in presets(first):
+        parser.set_defaults(**preset)
+    args = parser.parse_args(argv)
+    for stage in steps_win(setting_sources(argv)):
+        setattr(args, f"{stage}_epochs", 0.0)
+    return args
+
+
+def steps_win(sources):
+    """Stages whose length in steps comes from a higher source than their length in epochs (the demo's, --quick's,
+    the command line's steps over a recipe's epochs)."""
+
+    def level(source):
+        return SOURCE_ORDER.index("recipe" if source.startswith("recipe") else source)
+    return [stage for stage in ("sft", "rl") if level(sources[f"{stage}_steps"]) > level(sources[f"{stage}_epochs"])]
+
+
+def setting_sources(argv=None):
+    """{setting: where its value came from}: "parser", a preset's name, or "command line"."""
+    parser = get_parser(add_help=False)
+    first, _ = parser.parse_known_args(argv)
+    sources = {a.dest: "parser" for a in parser._actions}
+    for name, preset in presets(first):
+        sources.update(dict.fromkeys(preset, name))
+    for action in parser._actions:  # now parsing yields only what was typed
+        action.default = argparse.SUPPRESS
+    given = parser.parse_known_args(argv)[0]
+    sources.update(dict.fromkeys(vars(given), "command line"))
+    return sources
 
 # -----------------------------------------------------------------------------
 # data order, the optimizer and its schedule, the KL reference
@@ -309,7 +363,8 @@ def difficulty_filter(policy, tokenizer, examples, args, rank, world):
     a strided share; rates gathered so every rank holds the same pool), then the recipe's rule (select_rl_pool).
     Returns the pool and this rank's share of RL's first batch: the kept groups ranked by S(q), which are on-policy
     groups of the same sampler, so when --filter-k equals --group-size they need not be rolled out again."""
-    mine, k = examples[rank::world], args.filter_k
+    mine = examples[rank::world]
+    k = args.filter_k
     rates, trajs, rewards = pass_rates(policy, tokenizer, mine, REWARDS[args.reward], rank, world, k,
                                        batch_size=args.eval_batch_size, seed=args.seed * 7919 + rank,
                                        protocol=args.protocol, **rollout_kwargs(args, group_size=k))
@@ -324,7 +379,8 @@ def difficulty_filter(policy, tokenizer, examples, args, rank, world):
         print(f"difficulty filter: kept {len(pool)}/{len(examples)} by {rule} over {args.filter_k} rollouts")
     if not pool:
         raise ValueError("the difficulty filter kept no question: raise --filter-pass-rate or --filter-top-n")
-    return pool, warm if k == args.group_size and not args.adaptive_turns else None  # else not what RL samples
+    whole = len(first) == args.rl_batch_size // world  # else RL's first batch would be smaller than the others
+    return pool, warm if whole and k == args.group_size and not args.adaptive_turns else None  # else not RL's sample
 
 
 def select_rl_pool(examples, rates, args):
@@ -340,13 +396,25 @@ def select_rl_pool(examples, rates, args):
     return [ex for ex in examples if ex["id"] in keep]
 
 
+def release_freed_memory():
+    """Hand the heap's freed pages back to the OS (glibc; elsewhere a no-op). Each training step frees activations
+    of many sizes, which glibc keeps for reuse: without this the resident size only grows, and the evaluation's KV
+    cache comes on top of everything training ever held."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
 # -----------------------------------------------------------------------------
 # the two stages
 
 
 def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
     """Masked-NLL SFT for args.sft_steps steps of args.sft_batch_size trajectories (all ranks together)."""
-    rank, world, device, log = ctx["rank"], ctx["world"], ctx["device"], ctx["log"]
+    rank = ctx["rank"]
+    world = ctx["world"]
+    device = ctx["device"]
+    log = ctx["log"]
     opt, sched = make_optimizer(model, args.sft_lr, args.sft_steps, args)
     if ckpt is not None:
         load_trainer_state(ckpt, model, opt, sched, args, rank)
@@ -375,7 +443,9 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_all = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64)).item()
-        state["step"], state["gstep"] = step + 1, state["gstep"] + 1
+        state["step"] = step + 1
+        state["gstep"] += 1
+        release_freed_memory()
         log.log({"stage": "sft", "step": step + 1, "gstep": state["gstep"], "loss": loss_all, "grad_norm": grad_norm,
                  "lr": lr, "tokens": tokens, "time_update": time.perf_counter() - t0})
         bar.set_postfix(loss=f"{loss_all:.3f}")
@@ -438,7 +508,9 @@ def rollout_metrics(trajs, rewards):
 def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
     """Multi-turn GRPO: each rank rolls out its share of prompts (whole groups), rewards, one grpo_step. warm: the
     first step's (trajectories, rewards) when the difficulty filter already sampled them."""
-    rank, world, log = ctx["rank"], ctx["world"], ctx["log"]
+    rank = ctx["rank"]
+    world = ctx["world"]
+    log = ctx["log"]
     opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
     if ckpt is not None:
         load_trainer_state(ckpt, model, opt, sched, args, rank)
@@ -457,20 +529,23 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         mine = [pool[i] for i in idx[rank::world]]  # whole groups stay on one rank
         t0 = time.perf_counter()
         if step == 0 and warm is not None:
-            (trajs, rewards), ds = warm, {}
+            trajs, rewards = warm
+            ds = {}
         else:
             trajs, rewards, ds = rollout_with_signal(
                 ctx["policy"](), tokenizer, mine, args.protocol, REWARDS[args.reward], cfg, refill=refill if
                 args.dynamic_sampling else None, rounds=args.dynamic_sampling_rounds,
                 seed=(args.seed * 100_003 + step) * 1009 + rank, max_rows=args.eval_batch_size, **rollout_kwargs(args))
-        t1, lr = time.perf_counter(), sched.get_last_lr()[0]  # the lr this step uses
+        t1 = time.perf_counter()
+        lr = sched.get_last_lr()[0]  # the lr this step uses
         model.train()
         with ctx["autocast"]():
             gm = grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
         sched.step()
         # rollout = generation + its tool calls + the rewards (executing each final SQL against gold)
         times = {"rollout": t1 - t0, "update": time.perf_counter() - t1}
-        state["step"], state["gstep"] = step + 1, state["gstep"] + 1
+        state["step"] = step + 1
+        state["gstep"] += 1
         row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": lr,
                **rollout_metrics(trajs, rewards), **{f"time_{k}": v for k, v in times.items()}, **ds,
                **{k: v for k, v in gm.items() if isinstance(v, (int, float, bool))}}  # grpo's: already global
@@ -483,12 +558,11 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
 
 def grpo_config(args, pad_id):
     """GRPOConfig from the flags; an fp32 sampler has the model's own weights: its log-probs are the old policy's."""
-    mini = args.ppo_mini_batch_size or args.rl_batch_size
     return GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
                       eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
                       micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
                       trajectory_filter=bool(args.traj_filter), dynamic_sampling=bool(args.dynamic_sampling),
-                      ppo_epochs=args.ppo_epochs, mini_batches=args.rl_batch_size // mini, kl_beta=args.kl_beta,
+                      ppo_epochs=args.ppo_epochs, mini_batches=args.ppo_mini_batches, kl_beta=args.kl_beta,
                       agg=args.agg, dr_grpo_len=args.max_total_tokens, scale_std=bool(args.scale_std),
                       mask_truncated=bool(args.mask_truncated), naive_schema_weight=args.naive_schema_weight,
                       recompute_old_logp=not (args.dtype == "fp32" and args.temperature > 0), pad_id=pad_id)
@@ -499,6 +573,9 @@ def grpo_config(args, pad_id):
 
 def main(argv=None):
     args = get_args(argv)
+    sources = setting_sources(argv)
+    for stage in steps_win(sources):
+        sources[f"{stage}_epochs"] = sources[f"{stage}_steps"]
     rank, world, device = setup_distributed(args)
     args.dtype = resolve_dtype(args.dtype, device)  # saved resolved in config.json
     random.seed(args.seed + rank)
@@ -528,10 +605,10 @@ def main(argv=None):
         old = replaceable_checkpoints(run_dir, args.model, args.resume, args.overwrite)
     except ValueError as e:
         raise cli.UserError(e) from None
-    mini = args.ppo_mini_batch_size or args.rl_batch_size
-    if args.rl_batch_size % mini or mini % world:
-        raise cli.UserError(f"--ppo-mini-batch-size {mini} must divide --rl-batch-size {args.rl_batch_size} and be a "
-                            f"multiple of the world size {world}")
+    mini = args.rl_batch_size // args.ppo_mini_batches  # prompts per optimizer step
+    if args.rl_batch_size % args.ppo_mini_batches or mini % world:
+        raise cli.UserError(f"--ppo-mini-batches {args.ppo_mini_batches} must divide --rl-batch-size "
+                            f"{args.rl_batch_size} into shares that are a multiple of the world size {world}")
 
     # --- data: default to the gym (built once, by rank 0)
     if None in (args.data, args.dev_data, args.test_data):
@@ -548,11 +625,29 @@ def main(argv=None):
         test = env.load_examples(args.test_data)[: args.eval_limit or None]
     except (FileNotFoundError, ValueError) as e:  # a bad record or a missing database
         raise cli.UserError(e) from None
-    if master:  # recipe, then model and --quick presets, then the command line: what this run uses
+    # --- model: fp32 master weights (the optimizer's); bf16 compute per --dtype; gradient checkpointing on GPU
+    try:
+        model, tokenizer = load_model(model_path, device=device, seed=args.seed)  # resolved once, above
+    except ValueError as e:  # e.g. a tokenizer without a chat template
+        raise cli.UserError(e) from None
+    # --- the rows decoded at once: --eval-batch-size, or as many as the KV cache's memory holds (said on one line)
+    kv_dtype = torch.bfloat16 if args.dtype == "bf16" else model.dtype
+    budget = args.kv_cache_gb * 2 ** 30 if torch.device(device).type == "cpu" else None
+    try:
+        rows = engine.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget)
+    except ValueError as e:
+        raise cli.UserError(e) from None
+    if rows < args.eval_batch_size:
+        sources["eval_batch_size"] = "machine memory"
+        args.eval_batch_size = rows
+    if master:  # the presets, then the command line, then the memory: what this run uses, and where each came from
         print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
                             subsequent_indent="  "))
+        kv = engine.kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
+        print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+        (run_dir / "config.json").write_text(json.dumps(vars(args) | {"sources": sources}, indent=1) + "\n")
+
 
     # --- resume: the latest checkpoint's state decides which stage and step we are at
     ckpt = latest_checkpoint(run_dir) if args.resume else None
@@ -568,11 +663,6 @@ def main(argv=None):
             shutil.rmtree(c)
     barrier()
 
-    # --- model: fp32 master weights (the optimizer's); bf16 compute per --dtype; gradient checkpointing on GPU
-    try:
-        model, tokenizer = load_model(model_path, device=device, seed=args.seed)  # resolved once, above
-    except ValueError as e:  # e.g. a tokenizer without a chat template
-        raise cli.UserError(e) from None
     spider = spider_sample(args.spider_dir, args.spider_limit) if args.spider_limit else []
     if master and args.spider_limit and not spider:
         print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
@@ -593,11 +683,12 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     master = rank == 0
     if ckpt is not None:  # weights first; optimizer state is loaded by the stage that owns it
         model = load_weights(model, ckpt)
-    bf16, fsdp = args.dtype == "bf16", args.fsdp and world > 1
+    bf16 = args.dtype == "bf16"
+    fsdp = args.fsdp and world > 1
     # rollouts decode a full copy: bf16 under --dtype bf16, unsharded under FSDP, uncompiled under --compile
     sampler = copy.deepcopy(model).to(torch.bfloat16 if bf16 else model.dtype) if bf16 or fsdp or args.compile \
         else model
-    autocast = (lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16)) if bf16 else nullcontext
+    autocast = functools.partial(torch.autocast, torch.device(device).type, torch.bfloat16) if bf16 else nullcontext
     wrap = distribute(model, args.fsdp, world, device, bf16, args.compile)  # SFT's loss: wrap (DDP); RL: the model
 
     log = Logger(run_dir, args, rank, state["gstep"])
@@ -613,7 +704,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
 
     def policy():
         """The weights to decode with: a full copy (bf16 under --dtype bf16) refreshed here, or the model itself.
-        Decoding under autocast would cast every fp32 weight again at each step (1.8x slower on this CPU)."""
+        Decoding under autocast would cast every fp32 weight again at each step (docs/training.md, precision)."""
+        release_freed_memory()  # what the update freed, before the KV cache is allocated
         if sampler is not model:
             with torch.no_grad():
                 for s, p in zip(sampler.parameters(), model.parameters()):  # FSDP: all-gathers, every rank
@@ -651,6 +743,11 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
                                distractors=args.teacher_distractors, list_tables=bool(args.teacher_list_tables))
         barrier()
         rows = load_sft_data(sft_path, tokenizer, args.max_total_tokens, rank)
+        if args.sft_epochs:
+            args.sft_steps = math.ceil(args.sft_epochs * len(rows) / args.sft_batch_size)
+            if master:
+                print(f"sft: {args.sft_epochs:g} epochs of {len(rows):,} trajectories at batch {args.sft_batch_size}: "
+                      f"{args.sft_steps} steps")
         timed("sft", train_sft, model, tokenizer, rows, args, ctx, state,
               ckpt if ckpt is not None and state["step"] else None)
         ckpt = None
@@ -673,6 +770,11 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         by_id = {ex["id"]: ex | ({"max_turns": turn_budget(ex["difficulty"], args.max_turns)} if args.adaptive_turns
                                  else {}) for ex in train}
         pool = [by_id[i] for i in state["rl_pool"]]
+        if args.rl_epochs:
+            args.rl_steps = math.ceil(args.rl_epochs * len(pool) / args.rl_batch_size)
+            if master:
+                print(f"rl: {args.rl_epochs:g} epochs of {len(pool):,} questions at batch {args.rl_batch_size}: "
+                      f"{args.rl_steps} steps")
         timed("rl", train_rl, model, tokenizer, pool, args, ctx, state,
               ckpt if ckpt is not None and state["step"] else None, warm)
         record_eval("rl")

@@ -66,9 +66,11 @@ def render_trust(kind, think, db_id, sql=None, schema=None):
         action = "explore_schema" if kind == "explore" else "generate_sql"
         body = f"<tool_call>\n{tool_call_json(db_id, sql)}\n</tool_call>"
     elif kind == "propose":
-        action, body = "propose_schema", f"<schema>\n{json.dumps(schema, ensure_ascii=False)}\n</schema>"
+        action = "propose_schema"
+        body = f"<schema>\n{json.dumps(schema, ensure_ascii=False)}\n</schema>"
     else:
-        action, body = "confirm_answer", f"<answer>\n{sql}\n</answer>"
+        action = "confirm_answer"
+        body = f"<answer>\n{sql}\n</answer>"
     return f"<think>{think}</think>\n<action>{action}</action>\n{body}"
 
 
@@ -145,10 +147,13 @@ def gold_facts(gold_sql, db_path, all_tables):
     for j in tree.find_all(exp.Join):
         on = j.args.get("on")
         for eq in (on.find_all(exp.EQ) if on else []):
-            a, b = eq.left, eq.right
+            a = eq.left
+            b = eq.right
             if isinstance(a, exp.Column) and isinstance(b, exp.Column):
-                ta, tb = owner_of(a), owner_of(b)
-                ca, cb = real_col(ta, a.name), real_col(tb, b.name)
+                ta = owner_of(a)
+                tb = owner_of(b)
+                ca = real_col(ta, a.name)
+                cb = real_col(tb, b.name)
                 if ta and tb and ca and cb:
                     joins.append(f"{ta}.{ca} = {tb}.{cb}")
     filtered = []
@@ -179,7 +184,8 @@ def break_sql(gold_sql, columns, rng):
             break
     # splice the name into the gold text at the identifier's offsets: the repair then differs from the broken attempt
     # in that one name, and the SQL keeps gold's quoting and layout (sqlglot would re-quote it all with "...")
-    start, end = ident.meta["start"], ident.meta["end"]
+    start = ident.meta["start"]
+    end = ident.meta["end"]
     quote = gold_sql[start] if ident.args.get("quoted") else ""
     close = {"[": "]"}.get(quote, quote)
     return gold_sql[:start] + quote + wrong.replace(close, close * 2) + close + gold_sql[end + 1:], wrong
@@ -190,7 +196,8 @@ def break_sql(gold_sql, columns, rng):
 
 def plan_turns(example, protocol, schema_mode, rng, distractors=1, max_probes=2, repair_rate=0.2, list_tables=True):
     """The teacher's turns as (kind, think, sql, schema). Raises ValueError when the example cannot be taught."""
-    db_path, gold_sql = example["db_path"], example["gold_sql"].strip().rstrip(";").strip()
+    db_path = example["db_path"]
+    gold_sql = example["gold_sql"].strip().rstrip(";").strip()
     listing = env.run_sql(db_path, LIST_TABLES_SQL)
     if listing.error:
         raise ValueError(f"cannot list tables: {listing.error}")
@@ -214,7 +221,8 @@ def plan_turns(example, protocol, schema_mode, rng, distractors=1, max_probes=2,
         turns.append(("explore", pick("schema", tables=" and ".join(tables)), sql, None))
     for t, c, value in filtered[:max_probes]:
         # few distinct values: list them all; many (names): look the question's value up with LIKE
-        col, table = env.quote_ident(c), env.quote_ident(t)
+        col = env.quote_ident(c)
+        table = env.quote_ident(t)
         n = env.run_sql(db_path, f"SELECT COUNT(DISTINCT {col}) FROM {table}").rows
         if n and n[0][0] <= 12:
             sql = f"SELECT DISTINCT {col} FROM {table}"
@@ -290,7 +298,8 @@ def check_trajectory(record, example):
             return False, f"observation after turn {i // 2} differs from the sandbox's"
     if not episode.done or episode.stop_reason != "answer" or not episode.final_sql:
         return False, f"no final answer (stop_reason={episode.stop_reason})"
-    pred, gold = env.run_sql(example["db_path"], episode.final_sql), env.run_sql(example["db_path"], example["gold_sql"])
+    pred = env.run_sql(example["db_path"], episode.final_sql)
+    gold = env.run_sql(example["db_path"], example["gold_sql"])
     if pred.error or gold.error:
         return False, f"execution error: {pred.error or gold.error}"
     mode = "spider" if example.get("source") == "spider" else "bird"
@@ -302,7 +311,8 @@ def check_trajectory(record, example):
 
 def teach_all(examples, protocol="trust", *, max_turns=10, schema_mode="none", seed=0, **plan_kw):
     """Returns (kept records, {drop reason: count})."""
-    kept, dropped = [], {}
+    kept = []
+    dropped = {}
     for ex in examples:
         rec, reason = teach(ex, protocol, max_turns=max_turns, schema_mode=schema_mode, seed=seed, **plan_kw)
         if rec is None:

@@ -97,6 +97,17 @@ def test_fewer_rows_decode_at_once_when_less_memory_is_free():
     assert engine.rows_that_fit(64, gib, 2 * gib) == 0
 
 
+def test_a_smaller_kv_budget_decodes_fewer_rows_and_says_so(tiny, capsys):
+    model = tiny[0]
+    per_row = engine.kv_bytes_per_row(model.config, 1024, torch.float32)
+    assert engine.cache_rows(model, 64, "cpu", torch.float32, 1024, budget=64 * per_row) == 64
+    assert engine.cache_rows(model, 64, "cpu", torch.float32, 1024, budget=5.5 * per_row) == 5
+    assert "decoding 5 rows at once" in capsys.readouterr().out
+    assert engine.cache_rows(model, 64, "cpu", torch.float32, 1024) == 64  # no budget: a CPU cache grows as used
+    with pytest.raises(ValueError, match="--kv-cache-gb"):
+        engine.cache_rows(model, 64, "cpu", torch.float32, 1024, budget=per_row / 2)
+
+
 def test_cache_slots_are_zeroed_before_first_read(tiny, examples, monkeypatch):
     # CPU buffers span every slot untouched, so they may hold NaN until reserve() zeroes them; a masked NaN key or
     # value would still poison its row

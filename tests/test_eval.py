@@ -75,6 +75,24 @@ def test_pass_at_k_edge_cases():
 # -----------------------------------------------------------------------------
 # scoring: outermost ORDER BY, bird vs spider comparison
 
+def test_wilson_interval_of_30_of_100_is_about_nine_points_either_side():
+    lo, hi = ev.wilson_interval(30, 100)
+    assert (round(lo, 3), round(hi, 3)) == (0.219, 0.396)
+    assert ev.wilson_interval(0, 20)[0] == 0.0 and 0.1 < ev.wilson_interval(0, 20)[1] < 0.2  # never below 0
+
+
+def test_paired_bootstrap_sees_a_gain_on_the_same_questions_and_none_without_one():
+    before = [0, 1] * 50
+    assert ev.paired_bootstrap(before, before) == (0.0, 0.0)  # the same answers: no change, no spread
+    after = [1] * 100  # every question now solved: +50 points, and the interval excludes 0
+    lo, hi = ev.paired_bootstrap(before, after)
+    assert 0.35 < lo < 0.5 < hi < 0.65
+    # a 2-question swap (one gained, one lost) is no gain: the interval straddles 0
+    swapped = [1, 0] + before[2:]
+    lo, hi = ev.paired_bootstrap(before, swapped)
+    assert lo < 0 < hi
+
+
 def test_gold_order_matters_only_for_the_outermost_order_by():
     assert ev.gold_order_matters("SELECT name FROM singer ORDER BY age DESC")
     assert ev.gold_order_matters("SELECT name FROM singer UNION SELECT name FROM stadium ORDER BY name")

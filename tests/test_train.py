@@ -1,5 +1,6 @@
 """train.py: recipes, SFT loss masking (token-exact), a 2-step RL smoke run, kill + resume, DDP gradients.
 python -m pytest -q tests/test_train.py"""
+import copy
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import grpo
 import train
 from data.spider.prepare import spider_sample
 from sft import load_sft_data
-from grpo import GRPOConfig
+from grpo import GRPOConfig, grpo_step
 from model import latest_checkpoint, load_model, load_trainer_state, load_weights, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,31 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     assert train.get_args(["--recipe", "skyrl", "--group-size", "3"]).group_size == 3  # explicit beats recipe
     assert train.get_args(["--quick", "--sft-steps", "7"]).sft_steps == 7  # explicit beats --quick too
     quick = train.get_args(["--quick"])  # the default model's demo sizes stay out of a --quick run
-    assert (quick.rl_batch_size, quick.ppo_mini_batch_size, quick.sft_steps) == (2, 0, 2)
+    assert (quick.rl_batch_size, quick.ppo_mini_batches, quick.sft_steps) == (2, 1, 2)
+
+
+def test_training_length_in_the_papers_units_and_steps_from_above_win():
+    trust = train.get_args(["--model", "tiny"])  # Table 8: SFT 2 epochs, RL 3 epochs
+    assert (trust.sft_epochs, trust.rl_epochs, trust.ppo_mini_batches) == (2, 3, 4)
+    trail = train.get_args(["--recipe", "trail", "--model", "tiny"])  # A.5: SFT 2 epochs, RL reported at step 108
+    assert (trail.sft_epochs, trail.rl_epochs, trail.rl_steps) == (2, 0, 108)
+    assert train.get_args(["--model", "tiny", "--sft-steps", "7"]).sft_epochs == 0  # typed steps win
+    demo = train.get_args([])  # the demo's own steps win over the recipe's epochs
+    assert (demo.sft_epochs, demo.sft_steps, demo.rl_epochs, demo.rl_steps, demo.ppo_mini_batches) == (0, 48, 0, 6, 1)
+
+
+def test_sft_epochs_become_whole_steps_over_the_sft_data(tmp_path):
+    state = train.main(["--quick", "--model", "tiny", "--stage", "sft", "--sft-epochs", "1", "--teacher-limit", "12",
+                        "--eval-limit", "2", "--out-dir", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "quick" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["stage"] == "sft"] == [1, 2, 3]  # 12 trajectories at batch 4
+    assert state["gstep"] == 3
+
+
+def test_a_kv_budget_too_small_for_one_row_stops_before_any_work(tmp_path):
+    with pytest.raises(cli.UserError, match="--kv-cache-gb"):
+        train.main(QUICK + ["--kv-cache-gb", "1e-6", "--out-dir", str(tmp_path)])
+    assert not (tmp_path / "quick").exists()  # no teacher data, no config.json: nothing ran
 
 
 def test_every_preset_key_is_a_flag():
@@ -142,6 +167,10 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path, quick_run):
     assert json.loads((run / "results.json").read_text())["seconds"]["sft"] > 0
     config = json.loads((run / "config.json").read_text())  # the effective flags: recipe, presets, command line
     assert (config["sft_steps"], config["rl_steps"], config["model"], config["recipe"]) == (2, 2, "tiny", "trust")
+    sources = config["sources"]  # and where each came from
+    assert (sources["sft_steps"], sources["group_size"], sources["eps_high"], sources["seed"]) == \
+        ("command line", "quick", "recipe trust", "parser")
+    assert sources["sft_epochs"] == "command line"  # the typed steps decided the length, not trust's 2 epochs
     # each row logs the lr its own step used: the peak first (one warmup step), then cosine's half-way point
     for stage, peak in (("sft", config["sft_lr"]), ("rl", config["rl_lr"])):
         assert [r["lr"] for r in rows if r["stage"] == stage] == pytest.approx([peak, peak / 2]), stage
@@ -166,7 +195,7 @@ def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, 
     flags = train.get_args(["--stage", "rl", "--model", str(ckpt), "--max-new-tokens", "50", "--brief-prompt", "0"])
     assert (flags.max_new_tokens, flags.brief_prompt, flags.obs_rows) == (50, 0, 3)  # a flag still wins
     train.main(["--stage", "rl", "--model", str(ckpt), "--rl-steps", "1", "--rl-batch-size", "1", "--group-size", "2",
-                "--filter-k", "0", "--eval-limit", "1", "--ckpt-every", "0", "--out-dir", str(tmp_path),
+                "--ppo-mini-batches", "1", "--filter-k", "0", "--eval-limit", "1", "--ckpt-every", "0", "--out-dir", str(tmp_path),
                 "--run-name", "rl"])
     saved = json.loads((latest_checkpoint(tmp_path / "rl") / "state.json").read_text())["args"]
     assert saved["protocol"] == "trust-brief-rows3"
@@ -227,10 +256,11 @@ def test_rl_from_a_checkpoint_in_its_own_run_folder_never_deletes_it(tmp_path, m
             train.main(argv + extra)
         assert (ckpt / "model.safetensors").exists()
 
-    # --overwrite with a --model elsewhere replaces the folder's checkpoints (stopped just before the model loads)
+    # --overwrite with a --model elsewhere replaces the folder's checkpoints, once every check has passed (the model
+    # loaded, its KV cache fits): stopped just before training starts
     def stop(*a, **k):
         raise Killed
-    monkeypatch.setattr(train, "load_model", stop)
+    monkeypatch.setattr(train, "run", stop)
     with pytest.raises(Killed):
         train.main(["--quick", "--model", "tiny", "--out-dir", str(tmp_path), "--run-name", "demo", "--overwrite"])
     assert not ckpt.exists()
@@ -326,7 +356,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, quick_run):
     sft = {n: [r["loss"] for r in rows[n] if r["stage"] == "sft"] for n in rows}
     assert len(sft["two"]) == 2 and sft["two"] == pytest.approx(sft["one"], rel=1e-4)
     assert [r["step"] for r in rows["two"] if r["stage"] == "rl"] == [1, 2]
-    assert set(json.loads((tmp_path / "two" / "results.json").read_text())) == {"sft", "rl", "seconds"}
+    assert set(json.loads((tmp_path / "two" / "results.json").read_text())) == {"sft", "rl", "intervals", "seconds"}
 
 
 def test_sql_trail_difficulty_score_keeps_hard_but_solvable_then_unsolved():
@@ -423,8 +453,41 @@ def test_a_run_with_the_filter_rolls_out_once_less(tmp_path, monkeypatch):
     assert sizes == [1, 2, 2, 1] and len(rl) == 2 and rl[0]["trajectories"] == 4
 
 
+def _recipe_batch(group_size, prompts, seed=0):
+    """prompts groups of synthetic 2-turn trajectories, alternately a rewarded and an unrewarded answer (the same
+    two token sequences in every group), so every group carries an advantage on both tracks and each step pushes
+    the same tokens the same way."""
+    g = torch.Generator().manual_seed(seed)
+    good = torch.randint(0, 49152, (16,), generator=g).tolist()
+    bad = torch.randint(0, 49152, (16,), generator=g).tolist()
+    trajs = []
+    for i in range(prompts * group_size):
+        ep = SimpleNamespace(propose_turn=0, turn_valid=[True, True], final_sql="SELECT 1")
+        trajs.append(SimpleNamespace(token_ids=good if i % 2 else bad, loss_mask=[0] * 4 + [1] * 12,
+                                     turn_ids=[-1] * 4 + [0] * 6 + [1] * 6, sample_logprobs=[0.0] * 16, episode=ep,
+                                     stop_reason="answer"))
+    rewards = [{"full": float(i % 2), "schema": float(i % 2)} for i in range(len(trajs))]
+    return trajs, rewards
+
+
+@pytest.mark.parametrize("recipe, steps", [("trust", 4), ("trail", 4), ("mtir", 1), ("skyrl", 1)])
+def test_each_recipe_takes_its_papers_optimizer_steps_and_the_clip_acts_where_there_are_several(recipe, steps, tiny,
+                                                                                                one_thread):
+    model = copy.deepcopy(tiny[0])
+    args = train.get_args(["--recipe", recipe, "--model", "tiny", "--rl-batch-size", "8"])
+    cfg = train.grpo_config(args, pad_id=2)
+    trajs, rewards = _recipe_batch(cfg.group_size, 8)
+    m = grpo_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), trajs, rewards, cfg)
+    assert cfg.mini_batches == m["optimizer_steps"] == steps
+    clipped = m["clip_frac_high"] + m["clip_frac_low"]
+    assert clipped > 0 if steps > 1 else clipped == 0
+    # the ratio before clipping: exactly 1 on one step, spread around 1 on several
+    assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
+    assert (m["ratio_max"] - m["ratio_min"] > 0.2) if steps > 1 else m["ratio_min"] == m["ratio_max"] == 1.0
+
+
 def test_grpo_flags_reach_the_update():
-    args = train.get_args(["--model", "tiny", "--rl-batch-size", "4", "--ppo-mini-batch-size", "2", "--kl-beta",
+    args = train.get_args(["--model", "tiny", "--rl-batch-size", "4", "--ppo-mini-batches", "2", "--kl-beta",
                            "0.01", "--agg", "dr_grpo", "--scale-std", "0", "--mask-truncated", "1",
                            "--naive-schema-weight", "0.25"])
     cfg = train.grpo_config(args, pad_id=2)
@@ -456,7 +519,8 @@ def test_fsdp_rl_matches_ddp_and_resumes_exactly(tmp_path):
     script = tmp_path / "rl.py"
     script.write_text(RL_SCRIPT)
     common = ["--model", "tiny", "--stage", "rl", "--dtype", "fp32", "--reward", "by_tokens", "--rl-steps", "2",
-              "--rl-batch-size", "2", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "8",
+              "--rl-batch-size", "2", "--ppo-mini-batches", "1", "--group-size", "2", "--max-turns", "2",
+              "--max-new-tokens", "8",
               "--max-total-tokens", "2048", "--filter-k", "0", "--eval-limit", "1", "--spider-limit", "0",
               "--kl-beta", "0.1", "--rl-lr", "1e-3", "--warmup-ratio", "0", "--ckpt-every", "1", "--out-dir", tmp_path]
     torchrun(2, script, ROOT, *common, "--run-name", "ddp", cwd=tmp_path)

@@ -32,7 +32,8 @@ def load_bird(bird_dir, split="dev", db_dir=None):
     split_path = require(bird_dir / f"{split}.json", "BIRD split file", "Use --split dev or --split train.")
     db_dir = require(db_dir or bird_dir / f"{split}_databases", "BIRD database folder",
                      f"Unzip {split}_databases.zip inside --bird-dir, or pass --db-dir.")
-    records, skipped = [], []
+    records = []
+    skipped = []
     for i, ex in enumerate(iter_json_array(split_path)):
         missing = [k for k in ("db_id", "question", "SQL") if k not in ex]
         if missing:
@@ -83,7 +84,8 @@ def bird_ves(examples: list[dict], sqls: list, correct: list[bool], runs=100, ti
             con.close()
     out = []
     for ex, sql, ok in zip(examples, sqls, correct):
-        ratios, deadline = [], time.monotonic() + timeout_s * runs
+        ratios = []
+        deadline = time.monotonic() + timeout_s * runs
         try:
             for _ in range(runs if ok else 0):
                 pred_s = seconds(ex["db_path"], sql, deadline)

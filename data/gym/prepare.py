@@ -43,7 +43,8 @@ SQL_TYPE = {"pk": "INTEGER", "name": "TEXT", "cat": "TEXT", "int": "INTEGER", "r
 
 
 def gen_value(rng, col, table, data, used):
-    kind, arg = col["kind"], col["arg"]
+    kind = col["kind"]
+    arg = col["arg"]
     if col["null"] and rng.random() < col["null"]:
         return None
     if kind == "name":  # unique within the table
@@ -63,7 +64,8 @@ def gen_value(rng, col, table, data, used):
     if kind == "real":
         return round(rng.uniform(*arg), 2)
     if kind == "date":  # a uniform day in the year range, as 'YYYY-MM-DD'
-        lo, hi = datetime.date(arg[0], 1, 1).toordinal(), datetime.date(arg[1], 12, 31).toordinal()
+        lo = datetime.date(arg[0], 1, 1).toordinal()
+        hi = datetime.date(arg[1], 12, 31).toordinal()
         return datetime.date.fromordinal(rng.randint(lo, hi)).isoformat()
     return NAMES[arg](rng)  # text
 
@@ -88,7 +90,8 @@ def add_table(conn, name, cols, rows, tables):
 
 def build_db(path, spec, rng):
     """Write one database file; returns {table: [row tuples]} of the real tables (for sampling question values)."""
-    tables, data = {t["name"]: t for t in spec["tables"]}, {}
+    tables = {t["name"]: t for t in spec["tables"]}
+    data = {}
     for t in spec["tables"]:  # parents come before children in every domain
         data[t["name"]] = gen_rows(rng, t["cols"], t["rows"], data, t["name"])
     tmp = path.with_suffix(".tmp")
@@ -191,7 +194,8 @@ def e_count(rng, db):
 
 def e_list(rng, db):
     t = rng.choice(db["tables"])
-    f, n = filt(rng, db, t), name_col(t)
+    f = filt(rng, db, t)
+    n = name_col(t)
     return f and (f"List the {n['phrase']} of {t['ents']} {f[0]}.",
                   f"SELECT {q(n)} FROM {t['name']} WHERE {f[1]}", f[2])
 
@@ -206,7 +210,8 @@ def e_above(rng, db):
 
 def e_lookup(rng, db):
     t = rng.choice(db["tables"])
-    n, row = name_col(t), rng.choice(db["data"][t["name"]])
+    n = name_col(t)
+    row = rng.choice(db["data"][t["name"]])
     options = [c for c in cols(t, "cat", "code", "int", "real", "date", "text") if row[t["cols"].index(c)] is not None]
     if options and n["kind"] == "name":
         c = rng.choice(options)
@@ -295,7 +300,8 @@ def h_top_k(rng, db):
     t, c = num(rng, db)
     f = t and (filt(rng, db, t) if rng.random() < 0.5 else ("", "", ""))
     if f:
-        desc, k = rng.random() < 0.5, rng.randint(2, 5)
+        desc = rng.random() < 0.5
+        k = rng.randint(2, 5)
         sql, tie, at = ordered(t, c, desc, where=f[1] and f" WHERE {f[1]}", k=k)
         return (f"List the {k} {t['ents']}{f[0] and ' ' + f[0]} with the {'highest' if desc else 'lowest'} "
                 f"{c['phrase']}.", sql, f[2], tie, at)
@@ -412,7 +418,8 @@ def x_bridge(rng, db):  # parent <- bridge -> other parent
 
 def x_not_in(rng, db):  # held out
     c, fk, p = fk_pair(rng, db)
-    f, listing = maybe_filt(rng, db, p), rng.random() < 0.5
+    f = maybe_filt(rng, db, p)
+    listing = rng.random() < 0.5
     head = f"List the {name_col(p)['phrase']} of" if listing else "How many"
     return (f"{head} {p['ents']}{sp(f)} {'that ' if listing else ''}have no {c['ents']}" + "?."[listing],
             f"SELECT {q(name_col(p)) if listing else 'COUNT(*)'} FROM {p['name']} WHERE {q(cols(p, 'pk')[0])} "
@@ -442,7 +449,8 @@ def tied(conn, tie_sql, at):
 
 def gen_splits(rng, dbs, sizes, seen, held_out_ok):
     """Questions for several splits at once, interleaved so that they share one template mix; {split: records}."""
-    out, held = {s: [] for s in sizes}, {s: 0 for s in sizes}
+    out = {s: [] for s in sizes}
+    held = {s: 0 for s in sizes}
     bar = tqdm(total=sum(sizes.values()), desc="gym questions", leave=False)
     while any(len(out[s]) < n for s, n in sizes.items()):
         split = min(sizes, key=lambda s: len(out[s]) / sizes[s])  # the split that is furthest behind
@@ -479,11 +487,13 @@ def write_jsonl(records, path):
 
 def prepare(out_dir=GYM_DIR, seed=0, sizes=None):
     """Build the gym unconditionally into out_dir; returns statistics."""
-    out_dir, sizes = Path(out_dir), {**SPLIT_SIZES, **(sizes or {})}
+    out_dir = Path(out_dir)
+    sizes = {**SPLIT_SIZES, **(sizes or {})}
     stamp = out_dir / "databases" / ".stamp"  # says what the folder holds; absent while a build is under way
     stamp.unlink(missing_ok=True)
     rng = Random(seed)
-    dbs, stats = {}, dict(seed=seed, databases={}, splits={})
+    dbs = {}
+    stats = dict(seed=seed, databases={}, splits={})
     for db_id in tqdm(TRAIN_DBS + TEST_DBS, desc="gym databases", leave=False):
         spec = DOMAINS[db_id]
         path = out_dir / "databases" / db_id / f"{db_id}.sqlite"

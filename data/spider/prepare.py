@@ -41,7 +41,10 @@ def require(path, what, hint):
 
 def iter_json_array(path, chunk_size=1 << 20):
     """Yield the items of a top-level JSON array one by one, reading the file in chunks (SynSQL's data.json is GBs)."""
-    decoder, buf, pos, started = json.JSONDecoder(), "", 0, False
+    decoder = json.JSONDecoder()
+    buf = ""
+    pos = 0
+    started = False
     with open(path, encoding="utf-8") as f:
         while True:
             chunk = f.read(chunk_size)
@@ -55,7 +58,8 @@ def iter_json_array(path, chunk_size=1 << 20):
                         break
                     if buf[pos] != "[":
                         raise ValueError(f"{path}: expected a JSON array of examples, found {buf[pos]!r} at the start")
-                    started, pos = True, pos + 1
+                    started = True
+                    pos += 1
                     continue
                 if pos < len(buf) and buf[pos] == "]":
                     return
@@ -84,7 +88,8 @@ def make_record(id, db_id, db_path, question, gold_sql, difficulty, source, evid
 
 def check_gold(records, timeout_s=30.0):
     """Run every gold query in the read-only sandbox; returns [(record, error)] for those that fail."""
-    failures, step = [], 1000  # chunks, so a large dataset shows progress
+    failures = []
+    step = 1000  # chunks, so a large dataset shows progress
     for i in tqdm(range(0, len(records), step), desc="gold SQL", leave=False, disable=len(records) <= step):
         chunk = records[i:i + step]
         results = run_many([(r["db_path"], r["gold_sql"]) for r in chunk], workers=4, timeout_s=timeout_s, max_rows=1)
@@ -158,13 +163,16 @@ def hardness_counts(sql):
         top = top.this
     if not isinstance(top, exp.Select):
         raise ValueError(f"not a SELECT query: {sql!r}")
-    where, having = top.args.get("where"), top.args.get("having")
-    group, order = top.args.get("group"), top.args.get("order")
+    where = top.args.get("where")
+    having = top.args.get("having")
+    group = top.args.get("group")
+    order = top.args.get("order")
     joins = top.args.get("joins") or []
     has_from = top.args.get("from_") or top.args.get("from")
     conds = [j.args.get("on") for j in joins if j.args.get("on")] + [c.this for c in (where, having) if c]
     cond_nodes = [n for c in conds for n in _local(c, top)]
-    where_nodes, having_nodes = _local(where, top), _local(having, top)
+    where_nodes = _local(where, top)
+    having_nodes = _local(having, top)
 
     comp1 = bool(where) + bool(group) + bool(order) + bool(top.args.get("limit"))
     comp1 += max((1 if has_from else 0) + len(joins) - 1, 0)  # one per extra table unit (joins)
@@ -218,12 +226,14 @@ def remove_distinct(sql):
         tokens = sqlglot.tokenize(sql, read="sqlite")
     except sqlglot.errors.SqlglotError:
         return sql
-    out, pos = "", 0  # token positions index sql: cutting there keeps comments and spacing as written
+    out = ""
+    pos = 0  # token positions index sql: cutting there keeps comments and spacing as written
     for t in tokens:
         if t.token_type == TokenType.SEMICOLON:  # sqlparse.parse(s)[0]: a second statement is dropped, not run
             return out + sql[pos:t.end + 1]
         if t.token_type == TokenType.DISTINCT:
-            out, pos = out + sql[pos:t.start], t.end + 1
+            out += sql[pos:t.start]  # before pos moves past the DISTINCT
+            pos = t.end + 1
     return out + sql[pos:]
 
 
@@ -272,7 +282,8 @@ def load_spider(spider_dir, split_file="dev.json", db_dir=None):
                          "Use --split dev.json, train_spider.json, train_others.json (or a DK/Syn/Realistic file).")
     db_dir = require(db_dir or spider_dir / "database", "Spider database folder",
                      "Pass --db-dir DIR holding <db>/<db>.sqlite.")
-    records, skipped = [], []
+    records = []
+    skipped = []
     for i, ex in enumerate(iter_json_array(split_path)):
         question = ex.get("question") or ex.get("SpiderSynQuestion")  # Spider-Syn names its question field
         sql = ex.get("query") or ex.get("SQL") or ex.get("sql")

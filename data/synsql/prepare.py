@@ -26,7 +26,9 @@ def load_synsql(synsql_dir, limit=None, db_dir=None):
     data_path = require(synsql_dir / "data.json", "SynSQL data file", "Expected data.json inside --synsql-dir.")
     db_dir = require(db_dir or synsql_dir / "databases", "SynSQL database folder",
                      "Unpack databases.zip inside --synsql-dir, or pass --db-dir.")
-    records, skipped, exists = [], [], {}  # exists: db_id -> bool, so 2.5M examples do not stat 2.5M times
+    records = []
+    skipped = []
+    exists = {}  # db_id -> bool, so 2.5M examples do not stat 2.5M times
     items = tqdm(islice(iter_json_array(data_path), limit), total=limit, desc="synsql", leave=False, unit="q")
     for i, ex in enumerate(items):
         missing = [k for k in ("db_id", "question", "sql") if k not in ex]
