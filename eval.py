@@ -299,7 +299,7 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
 
 
 # -----------------------------------------------------------------------------
-# during training (train.py): greedy EX of the eval sets in one batch, pass rates for the difficulty filter
+# during training (train.py): greedy EX of the eval sets in one batch
 
 
 def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
@@ -324,26 +324,10 @@ def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
         if world > 1:
             gathered = [None] * world
             torch.distributed.all_gather_object(gathered, correct)
-            correct = {i: c for part in gathered for i, c in part.items()}
+            correct = {i: c for shard in gathered for i, c in shard.items()}
         out[name] = {"ex": tot[0] / max(tot[2], 1), "turns": tot[1] / max(tot[2], 1), "n": int(tot[2]),
                      "correct": correct}
     return out
-
-def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_size, **rollout_kw):
-    """{id: fraction of k sampled rollouts that reward_fn scores correct} over all ranks' examples: the difficulty
-    filters' pass@k estimate (TRUST App. A.3, SQL-Trail eq. 13), one continuous batch per rank. Also this rank's
-    trajectories and reward dicts (group-major, k per example), which are on-policy groups RL can train on."""
-    with torch.no_grad():
-        trajs, _ = run_agent(model, tokenizer, examples, desc="filter", batch_size=batch_size, **rollout_kw)
-    rewards = [reward_fn(t, t.example) for t in trajs]
-    rates = {ex["id"]: float(np.mean([r["correct"] for r in rewards[i * k:(i + 1) * k]]))
-             for i, ex in enumerate(examples)}
-    if world > 1:
-        gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, rates)
-        rates = {i: r for part in gathered for i, r in part.items()}
-    return rates, trajs, rewards
-
 
 # -----------------------------------------------------------------------------
 # report: markdown tables

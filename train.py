@@ -31,25 +31,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+import cli
+import engine
+import env
+import protocols
+import rollout
+from data.spider.prepare import spider_sample
+from distributed import all_reduce_sum, barrier, distribute, setup_distributed, shard
+from eval import evaluate_ex, run_agent, trained_settings
+from grpo import GRPOConfig, advantages, group_signal, grpo_step
+from model import (latest_checkpoint, load_model, load_trainer_state, load_weights, replaceable_checkpoints, resolve,
+                   resolve_dtype, save_checkpoint)
+from report import Logger, report
+from rewards import REWARDS, difficulty_score, turn_budget
+from sft import AgentTokenLoss, load_sft_data, pad_batch
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-
-import cli  # noqa: E402
-import engine  # noqa: E402
-import env  # noqa: E402
-import protocols  # noqa: E402
-import rollout  # noqa: E402
-from data.spider.prepare import spider_sample  # noqa: E402
-from sft import AgentTokenLoss, load_sft_data, pad_batch  # noqa: E402
-from eval import evaluate_ex, pass_rates, trained_settings  # noqa: E402
-from grpo import GRPOConfig, advantages, group_signal, grpo_step  # noqa: E402
-from distributed import all_reduce_sum, barrier, distribute, setup_distributed, shard  # noqa: E402
-from model import (latest_checkpoint, load_model, load_trainer_state, load_weights, replaceable_checkpoints,  # noqa: E402
-                   resolve, resolve_dtype, save_checkpoint)
-from report import Logger, report  # noqa: E402
-from rewards import REWARDS, difficulty_score, turn_budget  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
 
@@ -358,6 +357,22 @@ def rollout_kwargs(args, **over):
                 schema_mode=args.schema_mode) | over
 
 
+def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_size, **rollout_kw):
+    """{id: fraction of k sampled rollouts that reward_fn scores correct} over all ranks' examples: the difficulty
+    filters' pass@k estimate (TRUST App. A.3, SQL-Trail eq. 13), one continuous batch per rank. Also this rank's
+    trajectories and reward dicts (group-major, k per example), which are on-policy groups RL can train on."""
+    with torch.no_grad():
+        trajs, _ = run_agent(model, tokenizer, examples, desc="filter", batch_size=batch_size, **rollout_kw)
+    rewards = [reward_fn(t, t.example) for t in trajs]
+    rates = {ex["id"]: float(np.mean([r["correct"] for r in rewards[i * k:(i + 1) * k]]))
+             for i, ex in enumerate(examples)}
+    if world > 1:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, rates)
+        rates = {i: r for part in gathered for i, r in part.items()}
+    return rates, trajs, rewards
+
+
 def difficulty_filter(policy, tokenizer, examples, args, rank, world):
     """Pass rate of each candidate over --filter-k rollouts of the current policy (each rank one continuous batch of
     a strided share; rates gathered so every rank holds the same pool), then the recipe's rule (select_rl_pool).
@@ -396,10 +411,21 @@ def select_rl_pool(examples, rates, args):
     return [ex for ex in examples if ex["id"] in keep]
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_memory_on_free():
+    """glibc (elsewhere a no-op): blocks of 256 KiB and up get pages of their own, unmapped when freed. Training
+    frees activations of many sizes every step; glibc's default threshold adapts upwards and serves them from a heap
+    that fragments, so the resident size would keep what training once held and the KV cache would come on top."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
 def release_freed_memory():
-    """Hand the heap's freed pages back to the OS (glibc; elsewhere a no-op). Each training step frees activations
-    of many sizes, which glibc keeps for reuse: without this the resident size only grows, and the evaluation's KV
-    cache comes on top of everything training ever held."""
+    """Hand the heap's free pages back to the OS (glibc; elsewhere a no-op): the small blocks' share of the above."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -577,6 +603,8 @@ def main(argv=None):
     for stage in steps_win(sources):
         sources[f"{stage}_epochs"] = sources[f"{stage}_steps"]
     rank, world, device = setup_distributed(args)
+    if torch.device(device).type == "cpu":
+        return_memory_on_free()
     args.dtype = resolve_dtype(args.dtype, device)  # saved resolved in config.json
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
@@ -705,7 +733,8 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     def policy():
         """The weights to decode with: a full copy (bf16 under --dtype bf16) refreshed here, or the model itself.
         Decoding under autocast would cast every fp32 weight again at each step (docs/training.md, precision)."""
-        release_freed_memory()  # what the update freed, before the KV cache is allocated
+        model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
+        release_freed_memory()  # what training freed, before the KV cache is allocated
         if sampler is not model:
             with torch.no_grad():
                 for s, p in zip(sampler.parameters(), model.parameters()):  # FSDP: all-gathers, every rank

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, policy_loss, schema_track_mask,
-                  token_logprobs)
+from grpo import (GRPOConfig, advantages, build_batch, group_advantages, grpo_step, policy_loss, schema_track_mask,
+                  token_logprobs, trajectory_ok)
 from distributed import compile_layers
 
 A = 0.5 / (math.sqrt(0.5) + 1e-6)  # advantage of each member of a 2-group whose rewards differ by 1
@@ -46,6 +46,26 @@ def test_keep_mask_leaves_rows_out_of_group_stats():
     ref = group_advantages([1.0, 0.0, 0.0], 3)
     torch.testing.assert_close(adv[:3], ref)
     assert adv[3] == 0.0
+
+
+def test_mtir_filters_before_the_group_statistics_so_its_format_reward_moves_no_advantage():
+    # MTIR eq. 3 keeps only good trajectories "during rollout generation": dropped rows leave the mean and std. Every
+    # kept row is well-formed, so its format reward (eq. 5) is +0.1 on all of them: a constant, which no advantage sees
+    trajs = _trajs(8)  # rows 3 (an invalid turn), 5 (no answer) and 6 (truncated) fail the filter
+    kept = [trajectory_ok(t) for t in trajs]
+    result = [1.0, -1.0, 1.0, 0.0, -1.0, 0.0, 0.0, 1.0]
+    with_format = [{"full": r + (0.1 if ok else -0.1), "schema": None} for r, ok in zip(result, kept)]
+    without = [{"full": r, "schema": None} for r in result]
+    cfg = GRPOConfig(group_size=4, trajectory_filter=True)
+    a = advantages(trajs, with_format, cfg)
+    b = advantages(trajs, without, cfg)
+    assert kept == [True, True, True, False, True, False, False, True]
+    torch.testing.assert_close(a.adv_full, b.adv_full)
+    assert a.adv_full[[3, 5, 6]].tolist() == [0.0, 0.0, 0.0]
+    # without the filter the format term does move the advantages: the -0.1 rows stay in the statistics
+    unfiltered = GRPOConfig(group_size=4)
+    assert not torch.allclose(advantages(trajs, with_format, unfiltered).adv_full,
+                              advantages(trajs, without, unfiltered).adv_full)
 
 
 def test_lone_survivor_gets_zero_not_nan():
