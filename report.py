@@ -43,8 +43,8 @@ class Logger:
 
 
 def plot_curves(rows, path):
-    """curves.png: SFT loss, RL reward, dev EX and turns on one time line of global steps, the SFT -> RL switch
-    dashed. Returns False without matplotlib."""
+    """curves.png: SFT loss over SFT steps; the RL rollouts' reward, EX and turns over RL steps; greedy EX of the
+    eval sets over global steps, the SFT -> RL switch dashed. Returns False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -54,18 +54,16 @@ def plot_curves(rows, path):
     sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
     rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
     ev = [r for r in rows if any(k.endswith("_ex") for k in r)]
-
-    def x(rs):  # the plots' x axis: global steps
-        return [r["gstep"] for r in rs]
-    fig, ax = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
-    ax[0].plot(x(sft), [r["loss"] for r in sft])
-    ax[0].set(title="SFT", ylabel="masked NLL per agent token")
+    rl_steps = [r["step"] for r in rl]
+    fig, ax = plt.subplots(1, 4, figsize=(17, 3.8))
+    ax[0].plot([r["step"] for r in sft], [r["loss"] for r in sft])
+    ax[0].set(title="SFT", xlabel="SFT step", ylabel="masked NLL per agent token")
     # markers: a one-step RL run draws no line
-    ax[1].plot(x(rl), [r["reward_full"] for r in rl], "o-", label="reward (full track)")
+    ax[1].plot(rl_steps, [r["reward_full"] for r in rl], "o-", label="reward (full track)")
     if rl and "reward_schema" in rl[0]:
-        ax[1].plot(x(rl), [r["reward_schema"] for r in rl], "o-", label="reward (schema track)")
-    ax[1].plot(x(rl), [r["ex"] for r in rl], "o-", label="EX of the rollouts")
-    ax[1].set(title="RL rollouts (mean per step)", ylabel="reward / EX")
+        ax[1].plot(rl_steps, [r["reward_schema"] for r in rl], "o-", label="reward (schema track)")
+    ax[1].plot(rl_steps, [r["ex"] for r in rl], "o-", label="EX of the rollouts")
+    ax[1].set(title="RL rollouts (mean per step)", xlabel="RL step", ylabel="reward / EX")
     ax[1].legend(fontsize=8)
     for key in ("dev_ex", "test_ex", "spider_ex"):  # the evals after each stage (and every --eval-every steps)
         pts = [(r["gstep"], 100 * r[key]) for r in ev if key in r]
@@ -73,14 +71,14 @@ def plot_curves(rows, path):
             ax[2].plot(*zip(*pts), "o-", label=key[:-3])
             for p in pts:
                 ax[2].annotate(f"{p[1]:.0f}", p, textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
-    ax[2].set(title="greedy EX", ylabel="EX (%)")
-    ax[2].legend(fontsize=8)
-    ax[3].plot(x(rl), [r["turns"] for r in rl], "o-")
-    ax[3].set(title="RL rollouts", ylabel="turns per trajectory")
+    ax[2].set(title="greedy EX", xlabel="global step (SFT, then RL)", ylabel="EX (%)")
+    if ev:
+        ax[2].legend(fontsize=8)
+    if sft and rl:
+        ax[2].axvline(sft[-1]["gstep"] + 0.5, color="gray", ls="--", lw=0.8)
+    ax[3].plot(rl_steps, [r["turns"] for r in rl], "o-")
+    ax[3].set(title="RL rollouts", xlabel="RL step", ylabel="turns per trajectory")
     for a in ax:
-        a.set_xlabel("global step (SFT, then RL)")
-        if sft and rl:
-            a.axvline(sft[-1]["gstep"] + 0.5, color="gray", ls="--", lw=0.8)
         a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
