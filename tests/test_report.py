@@ -8,11 +8,11 @@ import report
 
 
 def test_curves_draw_a_run_with_one_rl_step(tmp_path):
-    """The demo's RL is a single step: its turns panel (no legend there) must still show that step's point."""
+    """A one-step RL run: its turns panel (no legend there) must still show that step's point."""
     from matplotlib.image import imread
-    rows = [{"stage": "sft", "gstep": 1, "loss": 1.0}, {"stage": "sft", "gstep": 2, "loss": 0.5},
-            {"stage": "eval", "gstep": 2, "dev_ex": 0.2},
-            {"stage": "rl", "gstep": 3, "reward_full": 0.4, "ex": 0.3, "turns": 5.5}]
+    rows = [{"stage": "sft", "step": 1, "gstep": 1, "loss": 1.0}, {"stage": "sft", "step": 2, "gstep": 2, "loss": 0.5},
+            {"stage": "eval", "step": 2, "gstep": 2, "dev_ex": 0.2},
+            {"stage": "rl", "step": 1, "gstep": 3, "reward_full": 0.4, "ex": 0.3, "turns": 5.5}]
     assert report.plot_curves(rows, tmp_path / "curves.png")
     img = imread(tmp_path / "curves.png")[:, :, :3]  # (H, W, 3) in [0, 1]
     turns_panel = img[:, img.shape[1] * 3 // 4:]
