@@ -96,12 +96,11 @@ def ex_intervals(evals):
         for name, e in evals["rl"].items():
             if "correct" not in e or "correct" not in evals["sft"].get(name, {}):  # a run resumed from before them
                 continue
-            before = evals["sft"][name]["correct"]
-            ids = sorted(before)
+            ids = sorted(evals["sft"][name]["correct"])
+            before = [evals["sft"][name]["correct"][i] for i in ids]
             after = [e["correct"][i] for i in ids]
-            gain = sum(after) / max(len(ids), 1) - sum(before[i] for i in ids) / max(len(ids), 1)
-            out["rl_minus_sft"][name] = {"gain": gain,
-                                         "bootstrap_95": paired_bootstrap([before[i] for i in ids], after)}
+            gain = (sum(after) - sum(before)) / max(len(ids), 1)
+            out["rl_minus_sft"][name] = {"gain": gain, "bootstrap_95": paired_bootstrap(before, after)}
     return out
 
 

@@ -671,8 +671,9 @@ def main(argv=None):
     if master:  # the presets, then the command line, then the memory: what this run uses, and where each came from
         print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
                             subsequent_indent="  "))
-        kv = engine.kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
-        print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
+        if sources["eval_batch_size"] != "machine memory":  # else engine.cache_rows has said it
+            kv = engine.kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
+            print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(vars(args) | {"sources": sources}, indent=1) + "\n")
 
