@@ -24,6 +24,7 @@ import shutil
 import sys
 import textwrap
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -567,7 +568,9 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         model.train()
         with ctx["autocast"]():
             gm = grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
-        sched.step()
+        with warnings.catch_warnings():  # a step with no signal skips the update, yet the schedule counts RL steps
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+            sched.step()
         # rollout = generation + its tool calls + the rewards (executing each final SQL against gold)
         times = {"rollout": t1 - t0, "update": time.perf_counter() - t1}
         state["step"] = step + 1

@@ -145,7 +145,9 @@ def official_hardness(sql):
     c1 += max(len(sql["from"]["table_units"]) - 1, 0)
     c1 += (sql["from"]["conds"][1::2] + sql["where"][1::2] + sql["having"][1::2]).count("or")
     c1 += sum(c[1] == WHERE_LIKE for c in conds)
-    agg = lambda units: sum(u[0] != 0 for u in units)  # noqa: E731  (Spider's has_agg, quirks included)
+
+    def agg(units):  # Spider's has_agg, quirks included
+        return sum(u[0] != 0 for u in units)
     n_agg = agg(sql["select"][1]) + agg(sql["where"][::2]) + agg(sql["groupBy"]) + agg(sql["having"])
     if sql["orderBy"]:
         n_agg += agg([u[1] for u in sql["orderBy"][1] if u[1]] + [u[2] for u in sql["orderBy"][1] if u[2]])
@@ -243,8 +245,10 @@ def test_bird_cli_runs_as_a_script_and_names_a_missing_folder(tmp_path):
     ex = dict(question_id=7, db_id="schools", question="How many?", evidence="", SQL="SELECT COUNT(*) FROM frpm",
               difficulty="simple")
     (bird / "dev.json").write_text(json.dumps([ex]))
-    run = lambda d: subprocess.run([sys.executable, "data/bird/prepare.py", "--bird-dir", str(d), "--out",  # noqa
-                                    str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+
+    def run(d):
+        return subprocess.run([sys.executable, "data/bird/prepare.py", "--bird-dir", str(d), "--out",
+                               str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
     assert run(bird).returncode == 0 and read_jsonl(tmp_path / "out" / "dev.jsonl")[0]["id"] == "bird-dev-7"
     bad = run(tmp_path / "missing")
     assert bad.returncode != 0 and "BIRD folder not found" in bad.stderr

@@ -112,7 +112,9 @@ HOSTILE = {
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_sql_fails_cleanly_and_leaves_the_db_untouched(pets, name):
-    before_hash, before_files, before_tmp = _sha(pets), sorted(os.listdir(pets.parent)), _temp_files()
+    before_hash = _sha(pets)
+    before_files = sorted(os.listdir(pets.parent))
+    before_tmp = _temp_files()
     r = env.run_sql(pets, HOSTILE[name], timeout_s=2.0)
     assert r.error, f"{name} should fail"
     assert str(pets.parent) not in r.error and "pets_1.sqlite" not in r.error  # errors never show file paths
@@ -204,7 +206,8 @@ def test_runaway_query_times_out(world, name):
 
 
 def test_16_concurrent_runaways_all_return(world):
-    before_hash, before_tmp = _sha(world), _temp_files()
+    before_hash = _sha(world)
+    before_tmp = _temp_files()
     jobs = [(world, sql) for sql in RUNAWAYS.values()] * 6  # 18 jobs
     t0 = time.monotonic()
     results = env.run_many(jobs[:16], workers=16, timeout_s=0.5)
@@ -215,7 +218,8 @@ def test_16_concurrent_runaways_all_return(world):
 
 
 A = "replace(hex(zeroblob({})), '0', 'a')"  # 2n characters of 'a', built inside SQLite
-A1MB, E4 = A.format(499_000), "replace(hex(zeroblob(249000)), '00', '\U0001F600')"  # 998,000 bytes of 'a' / of 😀
+A1MB = A.format(499_000)  # 998,000 bytes of 'a'
+E4 = "replace(hex(zeroblob(249000)), '00', '\U0001F600')"  # 996,000 bytes of 😀 (249,000 four-byte characters)
 PER_ROW = "WITH v(s) AS (SELECT {}) SELECT count(*) FROM city, v WHERE {}"  # one call per city row (4,000 rows)
 ONE_STEP = {  # work inside one SQLite call, which nothing interrupts; (time for a 0.5 s timeout before the fix)
     "LIKE, 1 MB by a 20k pattern (15 s)": f"SELECT {A1MB} LIKE '%' || {A.format(10_000)} || 'b'",
@@ -537,7 +541,8 @@ def test_prompt_keeps_braces_in_question_verbatim(tmp_path):
 
 def test_out_of_turns_sql_trail_forces_one_final_answer_turn(pets):
     trail = protocols.protocol_variant("trail", False, 0, force_final=True)
-    query, answer = "<reasoning>r</reasoning><sql>SELECT 1</sql>", "<reasoning>r</reasoning><solution>SELECT 1</solution>"
+    query = "<reasoning>r</reasoning><sql>SELECT 1</sql>"
+    answer = "<reasoning>r</reasoning><solution>SELECT 1</solution>"
     ep = env.new_episode(_example(pets), protocols.get(trail), max_turns=2)
     env.step(ep, query)
     obs, done = env.step(ep, query)  # the budget is spent without an answer: Alg. 1 line 31 asks for one

@@ -161,7 +161,7 @@ def test_dual_track_loss_value_and_gradient_signs():
     l_schema, _ = policy_loss(logp, old, adv_schema[:, None] * schema_mask, schema_mask)
     loss = l_full + lam * l_schema
     loss.backward()
-    r0, b = math.exp(0.1), 0.55 / (1.1 / math.sqrt(2) + 1e-6)
+    r0 = math.exp(0.1)
     # L_full = -(7a·r0 - 7a - 7b + 7b) / 28 ;  L_schema = -(2·(-a)·r0 + 2a) / 4
     assert l_full.item() == pytest.approx(-A * (r0 - 1) / 4, rel=1e-5)
     assert l_schema.item() == pytest.approx(A * (r0 - 1) / 2, rel=1e-5)
@@ -217,7 +217,8 @@ def test_build_batch_right_pads():
 
 def test_grpo_step_first_pass_loss_is_minus_mean_advantage():
     # at ratio 1 the token-mean loss is -Σ_i A_i·n_i / Σ_i n_i, n_i = sampled tokens of row i
-    model, trajs = _tiny_model(), _trajs(4)
+    model = _tiny_model()
+    trajs = _trajs(4)
     cfg = GRPOConfig(group_size=2, schema_lambda=0.25, micro_batch_size=3)
     rewards = REWARDS8[:4]
     m = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trajs, rewards, cfg)
@@ -231,7 +232,8 @@ def test_grpo_step_first_pass_loss_is_minus_mean_advantage():
 
 
 def test_grpo_step_updates_and_ppo_epochs_clip():
-    model, trajs = _tiny_model(), _trajs(4)
+    model = _tiny_model()
+    trajs = _trajs(4)
     before = [p.detach().clone() for p in model.parameters()]
     cfg = GRPOConfig(group_size=2, ppo_epochs=3, micro_batch_size=2, grad_clip=1e9)
     m = grpo_step(model, torch.optim.SGD(model.parameters(), lr=5.0), trajs, REWARDS8[:4], cfg)
@@ -240,7 +242,8 @@ def test_grpo_step_updates_and_ppo_epochs_clip():
 
 
 def test_filters_report_what_they_removed():
-    model, trajs = _tiny_model(), _trajs(8)
+    model = _tiny_model()
+    trajs = _trajs(8)
     # group 2 (rows 2-3) has different rewards; groups 3-4 (rows 4-7) are all 0.2: dynamic sampling drops them
     cfg = GRPOConfig(group_size=2, dynamic_sampling=True, mask_truncated=True)
     m = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trajs, REWARDS8, cfg)
@@ -258,7 +261,8 @@ def test_rows_without_advantage_are_not_forwarded_and_change_no_weight():
     # rows 4-7 are two groups of equal rewards on both tracks: skipped, but still in the token-mean normaliser, so
     # the update equals one that forwards all 8 rows (a KL term against an identical reference forwards every row
     # and adds no gradient: d/dlogp of k3 is 0 where logp = ref)
-    trajs, cfg = _trajs(8), GRPOConfig(group_size=2, micro_batch_size=2, grad_clip=1e9)
+    trajs = _trajs(8)
+    cfg = GRPOConfig(group_size=2, micro_batch_size=2, grad_clip=1e9)
     skipping, forwarding = _tiny_model(), _tiny_model()
     m = grpo_step(skipping, torch.optim.SGD(skipping.parameters(), lr=1.0), trajs, REWARDS8, cfg)
     ref = _tiny_model()
@@ -273,7 +277,8 @@ def test_rows_without_advantage_are_not_forwarded_and_change_no_weight():
 
 
 def test_naive_single_track_adds_schema_to_terminal_reward():
-    model, trajs = _tiny_model(), _trajs(4)
+    model = _tiny_model()
+    trajs = _trajs(4)
     naive = GRPOConfig(group_size=2, naive_schema_weight=0.25, schema_lambda=0.25, micro_batch_size=4)
     m = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trajs, REWARDS8[:4], naive)
     summed = [{"full": r["full"] + 0.25 * r["schema"], "schema": None} for r in REWARDS8[:4]]
@@ -282,7 +287,8 @@ def test_naive_single_track_adds_schema_to_terminal_reward():
 
 
 def test_kl_needs_reference_and_is_zero_against_itself():
-    model, trajs = _tiny_model(), _trajs(4)
+    model = _tiny_model()
+    trajs = _trajs(4)
     cfg = GRPOConfig(group_size=2, kl_beta=0.1)
     with pytest.raises(ValueError, match="ref_model"):
         grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trajs, REWARDS8[:4], cfg)
@@ -292,7 +298,8 @@ def test_kl_needs_reference_and_is_zero_against_itself():
 
 def test_one_step_per_batch_never_clips_but_a_second_mini_batch_does():
     # rewards alternate inside every group, so all four groups carry an advantage
-    trajs, rewards = _trajs(8), [{"full": float(i % 2), "schema": None} for i in range(8)]
+    trajs = _trajs(8)
+    rewards = [{"full": float(i % 2), "schema": None} for i in range(8)]
     model = _tiny_model()
     one = grpo_step(model, torch.optim.SGD(model.parameters(), lr=5.0), trajs, rewards,
                     GRPOConfig(group_size=2, grad_clip=1e9))
@@ -308,7 +315,8 @@ def test_one_step_per_batch_never_clips_but_a_second_mini_batch_does():
 def test_sampler_logprobs_stand_in_for_the_recompute_when_the_sampler_is_the_model():
     # the rollout's log-probs came from these very weights (train.py's fp32 case): two mini-batch steps, so the
     # second one's ratios depend on the old log-probs, must land where recomputing them lands
-    trajs, rewards = _trajs(8), [{"full": float(i % 2), "schema": None} for i in range(8)]
+    trajs = _trajs(8)
+    rewards = [{"full": float(i % 2), "schema": None} for i in range(8)]
     batch = build_batch(trajs)
     with torch.no_grad():
         own = token_logprobs(_tiny_model(), batch["input_ids"], batch["loss_mask"])[0]
@@ -331,7 +339,8 @@ def test_kl_gradient_pulls_the_policy_back_to_the_reference():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
-    trajs, cfg = _trajs(4), GRPOConfig(group_size=2, kl_beta=1.0, grad_clip=1e9)
+    trajs = _trajs(4)
+    cfg = GRPOConfig(group_size=2, kl_beta=1.0, grad_clip=1e9)
     flat = [{"full": 0.5, "schema": None}] * 4  # equal rewards: zero advantages, the KL term is the whole loss
     before = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.05), trajs, flat, cfg, ref_model=ref)
     after = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trajs, flat, cfg, ref_model=ref)

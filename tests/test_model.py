@@ -125,7 +125,8 @@ def test_load_model_on_a_saved_checkpoint(tiny, tmp_path):
 def test_load_model_without_chat_template_is_a_clear_error(tiny, tmp_path):
     model, tok = tiny
     model.save_pretrained(tmp_path)
-    tok.chat_template, saved = None, tok.chat_template
+    saved = tok.chat_template
+    tok.chat_template = None
     try:
         tok.save_pretrained(tmp_path)
     finally:

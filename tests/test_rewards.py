@@ -211,10 +211,16 @@ def test_a_join_loop_from_the_model_is_refused_not_parsed_for_hours(quirky_db):
 
 def _spider_gold(sql, t):
     """Tables and "table.column"s in Spider's own parse (column id 0 = "*" is excluded, as in extract_schema)."""
-    tables, cols = set(), set()
-    name = lambda ti: t["table_names_original"][ti].lower()
-    col_unit = lambda cu: cu and cu[1] and cols.add(f'{name(t["column_names_original"][cu[1]][0])}.'
-                                                    f'{t["column_names_original"][cu[1]][1].lower()}')
+    tables = set()
+    cols = set()
+
+    def name(ti):
+        return t["table_names_original"][ti].lower()
+
+    def col_unit(cu):
+        if cu and cu[1]:
+            cols.add(f'{name(t["column_names_original"][cu[1]][0])}.'
+                     f'{t["column_names_original"][cu[1]][1].lower()}')
 
     def val_unit(vu):
         if vu:
@@ -257,8 +263,9 @@ def test_extract_schema_agrees_with_spider_annotations(spider_dir):
             continue
         gold_tables, gold_columns = _spider_gold(ex["sql"], schemas[ex["db_id"]])
         ours = extract_schema(ex["query"], str(db))
-        n, tables_ok, columns_ok = n + 1, tables_ok + (ours["tables"] == gold_tables), \
-            columns_ok + (ours["columns"] == gold_columns)
+        n += 1
+        tables_ok += (ours["tables"] == gold_tables)
+        columns_ok += (ours["columns"] == gold_columns)
     print(f"extract_schema vs Spider dev annotations: tables {tables_ok}/{n} = {tables_ok / n:.2%}, "
           f"columns {columns_ok}/{n} = {columns_ok / n:.2%}")
     assert n == 972
@@ -322,7 +329,9 @@ def test_mtir_skyrl_arctic_recipes(singer_example):
     wrong = _traj(_episode(["sql", "answer"], final_sql=WRONG))
     broken = _traj(_episode(["sql", "answer"], final_sql=BROKEN))
     bad_format = _traj(_episode(["invalid", "answer"], valid=[False, True], final_sql=RIGHT))
-    full = lambda name, t: REWARDS[name](t, singer_example)["full"]
+
+    def full(name, t):
+        return REWARDS[name](t, singer_example)["full"]
     assert [full("mtir", t) for t in (good, wrong, broken, bad_format)] == pytest.approx([1.2, -0.8, 0.0, -0.1])
     assert [full("skyrl", t) for t in (good, wrong, broken, bad_format)] == [1.0, 0.0, 0.0, -1.0]
     assert [full("arctic", t) for t in (good, wrong, broken, bad_format)] == [1.0, 0.1, 0.0, 1.0]
@@ -342,7 +351,9 @@ def test_recipes_on_real_env_episodes(singer_example):
     # the same contract through env's own parser and state machine (what rollout.py produces)
     import env
     import protocols
-    call = lambda sql: '{"name": "execute_sql_query", "arguments": {"db_id": "concert_singer", "sql": "%s"}}' % sql
+
+    def call(sql):
+        return '{"name": "execute_sql_query", "arguments": {"db_id": "concert_singer", "sql": "%s"}}' % sql
     ep = env.new_episode(singer_example, protocols.get("trust"), max_turns=6)
     for turn in [
         f"<think>tables?</think><action>explore_schema</action><tool_call>{call('PRAGMA table_info(singer)')}"

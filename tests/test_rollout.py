@@ -15,7 +15,8 @@ import protocols
 import rollout
 from model import load_model
 
-MAX_NEW, MAX_TOTAL = 80, 4096
+MAX_NEW = 80
+MAX_TOTAL = 4096
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +67,8 @@ def segments(traj):
     """[(turn, sampled ids, fed ids after them)] from loss_mask and turn_ids alone."""
     out = []
     for i in range(traj.prompt_len, len(traj.token_ids)):
-        t, sampled = traj.turn_ids[i], traj.loss_mask[i] == 1
+        t = traj.turn_ids[i]
+        sampled = traj.loss_mask[i] == 1
         if not out or out[-1][0] != t:
             out.append((t, [], []))
         out[-1][1 if sampled else 2].append(traj.token_ids[i])

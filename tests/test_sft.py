@@ -41,14 +41,17 @@ def test_sft_sequence_is_what_rollout_feeds(tiny, teacher_record):
     model, tok = tiny
     rec, ex = teacher_record
     ids, mask = tokenize_chat(rec["messages"], tok)
-    turns, prev = [], 0
+    turns = []
+    prev = 0
     for i, m in enumerate(mask):  # each run of trained tokens is one assistant turn (content + eos)
         if m and not prev:
             turns.append([])
         if m:
             turns[-1].append(ids[i])
         prev = m
-    script = lambda row, turn, sofar: turns[turn][len(sofar)] if len(sofar) < len(turns[turn]) else None
+
+    def script(row, turn, sofar):
+        return turns[turn][len(sofar)] if len(sofar) < len(turns[turn]) else None
     traj = rollout(model, tok, [ex], "trust", group_size=1, max_turns=10, max_new_tokens=512, max_total_tokens=4096,
                    temperature=1.0, top_p=1.0, schema_mode="none", seed=0, force=script)[0]
     assert traj.token_ids == ids

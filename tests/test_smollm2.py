@@ -53,7 +53,8 @@ def test_two_turn_rollout_is_its_chat_template_and_replays(smol, examples):
     for traj, ex in zip(trajs, batch):
         assert traj.num_turns == 2 and traj.num_tool_calls == 1
         # the same conversation through SmolLM2's chat template, observations from a fresh episode
-        episode, messages = env.new_episode(ex, protocols.get("trust"), 2), proto.build_messages(ex, "none", 2)
+        episode = env.new_episode(ex, protocols.get("trust"), 2)
+        messages = proto.build_messages(ex, "none", 2)
         turn_tokens = {}
         for i, t in enumerate(traj.turn_ids):
             if traj.loss_mask[i]:

@@ -216,8 +216,10 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert ca.name == cb.name == "ckpt-000004"
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
-    strip = lambda p: [{k: v for k, v in json.loads(l).items() if not k.startswith("time")}
-                       for l in (p / "quick" / "metrics.jsonl").read_text().splitlines()]
+
+    def strip(p):
+        return [{k: v for k, v in json.loads(l).items() if not k.startswith("time")}
+                for l in (p / "quick" / "metrics.jsonl").read_text().splitlines()]
     assert strip(tmp_path / "a") == strip(tmp_path / "b")
     assert len(list((tmp_path / "b" / "quick").glob("ckpt-*"))) == 2  # keep last K
     assert not list((tmp_path / "b" / "quick").glob(".tmp-*"))
@@ -378,7 +380,9 @@ def _fake_rollouts(monkeypatch, signal):
         calls.append([p["id"] for p in prompts])
         return [SimpleNamespace(example=p, k=k, turn_times=[0.0]) for p in prompts for k in range(group_size)]
     monkeypatch.setattr(rollout, "rollout", fake)
-    reward = lambda t, ex: {"full": float(ex["id"] in signal and t.k == 0)}  # noqa: E731
+
+    def reward(t, ex):
+        return {"full": float(ex["id"] in signal and t.k == 0)}
     return calls, reward
 
 
@@ -390,7 +394,9 @@ def rollout_with_signal(prompts, reward, cfg=None, **kw):
 
 def test_dynamic_sampling_rolls_fresh_prompts_until_every_group_has_signal(monkeypatch):
     pool = iter([{"id": i} for i in range(2, 20)])
-    refill = lambda n: [next(pool) for _ in range(n)]  # noqa: E731
+
+    def refill(n):
+        return [next(pool) for _ in range(n)]
     calls, reward = _fake_rollouts(monkeypatch, signal={3, 5, 6})  # the first batch, prompts 0 and 1, is flat
     trajs, rewards, ds = rollout_with_signal([{"id": 0}, {"id": 1}], reward, refill=refill, rounds=3)
     assert calls == [[0, 1], [2, 3], [4, 5]] and ds == {"ds_rounds": 3, "ds_signal_groups": 2, "ds_cap_hit": False}
@@ -429,7 +435,9 @@ def test_refill_counts_as_signal_only_what_the_update_learns_from(monkeypatch):
 def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
     # 6 candidates, 2 rollouts each: 1 and 4 solved once (S 0.5), 2 solved twice (S 1), the rest never (S 1)
     calls, _ = _fake_rollouts(monkeypatch, signal=set())
-    solved = lambda t, ex: float(ex["id"] in (1, 4) and t.k == 0 or ex["id"] == 2)  # noqa: E731
+
+    def solved(t, ex):
+        return float(ex["id"] in (1, 4) and t.k == 0 or ex["id"] == 2)
     monkeypatch.setitem(train.REWARDS, "fake", lambda t, ex: {"full": solved(t, ex), "correct": solved(t, ex)})
     args = train.get_args(["--model", "tiny", "--reward", "fake", "--filter-k", "2", "--group-size", "2",
                            "--filter-top-n", "3", "--rl-batch-size", "2"])
@@ -443,7 +451,8 @@ def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
 
 def test_a_run_with_the_filter_rolls_out_once_less(tmp_path, monkeypatch):
     import rollout
-    real, sizes = rollout.rollout, []
+    real = rollout.rollout
+    sizes = []
     monkeypatch.setattr(rollout, "rollout", lambda *a, **kw: sizes.append(kw["group_size"]) or real(*a, **kw))
     train.main(QUICK + ["--filter-k", "2", "--filter-limit", "2", "--filter-pass-rate", "1.01", "--out-dir",
                         str(tmp_path)])
