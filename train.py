@@ -416,11 +416,11 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def return_memory_on_free():
-    """glibc (elsewhere a no-op): blocks of 1 MiB and up get pages of their own, unmapped when freed. Training
+    """glibc (elsewhere a no-op): blocks of 256 KiB and up get pages of their own, unmapped when freed. Training
     frees activations of many sizes every step; glibc's default threshold adapts upwards and serves them from a heap
     that fragments, so the resident size would keep what training once held and the KV cache would come on top."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1024 * 1024)
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 1024)
     except (OSError, AttributeError):
         pass
 

@@ -4,6 +4,7 @@ Spider gold self-check and an end-to-end run of the tiny model on the gym.   pyt
 import itertools
 import json
 import math
+import runpy
 import sqlite3
 import subprocess
 import sys
@@ -301,7 +302,7 @@ def run_cli(*args):
                           capture_output=True, text=True, cwd=ROOT)
 
 
-def test_cli_spider_ts_dir_and_user_errors(test_suite, tmp_path):
+def test_cli_spider_ts_dir_and_user_errors(test_suite, tmp_path, monkeypatch, capsys):
     ts_dir, example = test_suite
     data = tmp_path / "data" / "dev.jsonl"
     data.parent.mkdir()
@@ -312,9 +313,14 @@ def test_cli_spider_ts_dir_and_user_errors(test_suite, tmp_path):
                      (["--spider-ts-dir", tmp_path], "no .sqlite files for 1 database(s), e.g. concert"),
                      (["--spider-ts-dir", ts_dir, "--scoring", "bird"], "needs --scoring spider"),
                      (["--ves-runs", "-1"], "--ves-runs: must be an integer >= 0")]:
-        out = run_cli("--data", data, *bad)
-        assert out.returncode == 2 and out.stdout == "", out.stderr
-        assert out.stderr.startswith("error: ") and why in out.stderr and out.stderr.count("\n") == 1
+        # the same command line in this interpreter (torch is already imported): a user error stops before any work
+        monkeypatch.setattr(sys, "argv", [str(ROOT / "eval.py"), "--gold-as-prediction", "--data", str(data),
+                                          *map(str, bad)])
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_path(str(ROOT / "eval.py"), run_name="__main__")
+        out = capsys.readouterr()
+        assert stop.value.code == 2 and out.out == "", out.err
+        assert out.err.startswith("error: ") and why in out.err and out.err.count("\n") == 1
 
 
 # -----------------------------------------------------------------------------
