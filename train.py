@@ -413,22 +413,14 @@ def select_rl_pool(examples, rates, args):
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = {"train": 4 << 20, "decode": 256 << 10}  # bytes
 
 
-def set_cpu_memory_mode(device, mode):
-    """On a CPU run with glibc (elsewhere a no-op), blocks of MMAP_THRESHOLD[mode] bytes and up get pages of their
-    own, unmapped when freed. Decoding allocates the KV cache on top of what the process holds, so it starts by
-    handing the heap's free pages back and maps its own blocks from 256 KiB up: a heap fragmented by blocks of many
-    sizes would keep what it once held. Training frees activations of many sizes every step, and mapping a block
-    afresh costs a page fault per 4 KiB it touches, so it serves blocks under 4 MiB from the heap (docs/training.md)."""
-    if torch.device(device).type != "cpu":
-        return
+def return_memory_on_free():
+    """glibc (elsewhere a no-op): blocks of 256 KiB and up get pages of their own, unmapped when freed. Training
+    frees activations of many sizes every step; glibc's default threshold adapts upwards and serves them from a heap
+    that fragments, so the resident size would keep what training once held and the KV cache would come on top."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        if mode == "decode":
-            libc.malloc_trim(0)
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD[mode])
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 1024)
     except (OSError, AttributeError):
         pass
 
@@ -455,7 +447,6 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
         load_trainer_state(ckpt, model, opt, sched, args, rank)
     wrapped = ctx["wrap"](AgentTokenLoss(model, full_forward=args.fsdp))
     micro = args.micro_batch_size or args.sft_batch_size
-    set_cpu_memory_mode(device, "train")
     model.train()
     bar = tqdm(range(state["step"], args.sft_steps), desc="sft", disable=rank != 0, initial=state["step"],
                total=args.sft_steps)
@@ -575,7 +566,6 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         t1 = time.perf_counter()
         lr = sched.get_last_lr()[0]  # the lr this step uses
         model.train()
-        set_cpu_memory_mode(ctx["device"], "train")
         with ctx["autocast"]():
             gm = grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
         with warnings.catch_warnings():  # a step with no signal skips the update, yet the schedule counts RL steps
@@ -616,7 +606,8 @@ def main(argv=None):
     for stage in steps_win(sources):
         sources[f"{stage}_epochs"] = sources[f"{stage}_steps"]
     rank, world, device = setup_distributed(args)
-    set_cpu_memory_mode(device, "decode")
+    if torch.device(device).type == "cpu":
+        return_memory_on_free()
     args.dtype = resolve_dtype(args.dtype, device)  # saved resolved in config.json
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
@@ -747,7 +738,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         """The weights to decode with: a full copy (bf16 under --dtype bf16) refreshed here, or the model itself.
         Decoding under autocast would cast every fp32 weight again at each step (docs/training.md, precision)."""
         model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
-        set_cpu_memory_mode(device, "decode")  # what training freed goes back before the KV cache is allocated
+        release_freed_memory()  # what training freed, before the KV cache is allocated
         if sampler is not model:
             with torch.no_grad():
                 for s, p in zip(sampler.parameters(), model.parameters()):  # FSDP: all-gathers, every rank

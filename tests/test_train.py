@@ -72,27 +72,6 @@ def test_a_kv_budget_too_small_for_one_row_stops_before_any_work(tmp_path):
     assert not (tmp_path / "quick").exists()  # no teacher data, no config.json: nothing ran
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory modes tune glibc's malloc")
-def test_training_reuses_freed_blocks_and_decoding_maps_them_afresh():
-    # a fresh interpreter, so that the pytest process keeps its allocator as it was
-    script = ("import resource, torch, train\n"
-              "def faults_of_100_one_mib_tensors():\n"
-              "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-              "    for _ in range(100):\n"
-              "        torch.ones(1 << 20, dtype=torch.uint8)\n"
-              "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
-              "train.set_cpu_memory_mode('cpu', 'train')\n"
-              "print(faults_of_100_one_mib_tensors())\n"
-              "train.set_cpu_memory_mode('cpu', 'decode')\n"
-              "print(faults_of_100_one_mib_tensors())\n")
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         check=True).stdout.split()
-    train_faults = int(out[0])
-    decode_faults = int(out[1])
-    assert decode_faults >= 100 * 256 * 0.9  # every 1 MiB block mapped afresh: 256 pages faulted in each time
-    assert train_faults < decode_faults / 10  # the heap hands the freed block back: its pages are already there
-
-
 def test_every_preset_key_is_a_flag():
     # set_defaults accepts any name, so a renamed flag would leave its preset value silently unused
     dests = {a.dest for a in train.get_parser()._actions}
