@@ -23,6 +23,7 @@ import random
 import shutil
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from contextlib import nullcontext
@@ -416,21 +417,44 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def return_memory_on_free():
-    """glibc (elsewhere a no-op): blocks of 256 KiB and up get pages of their own, unmapped when freed. Training
-    frees activations of many sizes every step; glibc's default threshold adapts upwards and serves them from a heap
-    that fragments, so the resident size would keep what training once held and the KV cache would come on top."""
+    """glibc (elsewhere a no-op): blocks of 4 MiB and up get pages of their own, unmapped when freed. glibc's default
+    threshold adapts upwards to the largest block ever freed, so the heap would keep what training once held and the
+    KV cache would come on top; below 4 MiB the heap's own pages are reused, not faulted in afresh at every step."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 4 * 2 ** 20)
     except (OSError, AttributeError):
         pass
 
 
 def release_freed_memory():
-    """Hand the heap's free pages back to the OS (glibc; elsewhere a no-op): the small blocks' share of the above."""
+    """Hand the heaps' free pages back to the OS (glibc; elsewhere a no-op): what training freed, before decoding."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def on_training_thread(device, fn, *args):
+    """fn(*args) on a thread of its own on the CPU (elsewhere right here), for training's forwards, backwards and
+    optimizer steps. glibc gives a new thread a heap of its own (an arena): the pages training frees stay in that
+    heap, where its next step reuses them without faulting them in afresh, and the decoding in between, on the main
+    thread, never re-touches them (release_freed_memory hands them back). Autocast and grad mode are per thread: fn
+    sets its own."""
+    if torch.device(device).type != "cpu":
+        return fn(*args)
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # also SystemExit (--stop-after): raised again on the calling thread
+            out["error"] = e
+    thread = threading.Thread(target=target, name="train", daemon=True)  # daemon: Ctrl-C need not wait for it
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 # -----------------------------------------------------------------------------
 # the two stages
@@ -566,8 +590,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         t1 = time.perf_counter()
         lr = sched.get_last_lr()[0]  # the lr this step uses
         model.train()
-        with ctx["autocast"]():
-            gm = grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
+        gm = on_training_thread(ctx["device"], update, model, opt, trajs, rewards, cfg, ref, ctx["autocast"])
         with warnings.catch_warnings():  # a step with no signal skips the update, yet the schedule counts RL steps
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
             sched.step()
@@ -583,6 +606,12 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         log.log(row)
         bar.set_postfix(reward=f"{row['reward_full']:.2f}", ex=f"{row['ex']:.2f}", turns=f"{row['turns']:.1f}")
         ctx["maybe_save"](opt, sched, final=step + 1 == args.rl_steps)
+
+
+def update(model, opt, trajs, rewards, cfg, ref, autocast):
+    """One grpo_step under autocast (autocast holds for the thread that enters it: on_training_thread's)."""
+    with autocast():
+        return grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
 
 
 def grpo_config(args, pad_id):
@@ -781,7 +810,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
             if master:
                 print(f"sft: {args.sft_epochs:g} epochs of {len(rows):,} trajectories at batch {args.sft_batch_size}: "
                       f"{args.sft_steps} steps")
-        timed("sft", train_sft, model, tokenizer, rows, args, ctx, state,
+        timed("sft", on_training_thread, device, train_sft, model, tokenizer, rows, args, ctx, state,
               ckpt if ckpt is not None and state["step"] else None)
         ckpt = None
     if "sft" in stages:

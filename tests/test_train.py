@@ -7,6 +7,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -338,6 +339,15 @@ dist.barrier()
 dist.destroy_process_group()
 os._exit(0)  # gloo's worker threads can abort interpreter teardown (SIGABRT, ~1 run in 20): skip it
 """
+
+
+def test_training_runs_on_a_thread_of_its_own_whose_errors_reach_the_caller():
+    # on the CPU glibc gives that thread its own heap (docs/training.md, memory); elsewhere nothing changes
+    assert train.on_training_thread("cpu", threading.current_thread) is not threading.main_thread()
+    assert train.on_training_thread("cuda", threading.current_thread) is threading.main_thread()
+    assert train.on_training_thread("cpu", max, 2, 7) == 7
+    with pytest.raises(SystemExit):  # --stop-after exits from inside SFT
+        train.on_training_thread("cpu", sys.exit, 0)
 
 
 def test_ddp_gradients_match_single_process(tmp_path):
