@@ -417,11 +417,11 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def return_memory_on_free():
-    """glibc (elsewhere a no-op): blocks of 4 MiB and up get pages of their own, unmapped when freed. glibc's default
+    """glibc (elsewhere a no-op): blocks of 1 MiB and up get pages of their own, unmapped when freed. glibc's default
     threshold adapts upwards to the largest block ever freed, so the heap would keep what training once held and the
-    KV cache would come on top; below 4 MiB the heap's own pages are reused, not faulted in afresh at every step."""
+    KV cache would come on top; below 1 MiB the heap's own pages are reused, not faulted in afresh at every step."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 4 * 2 ** 20)
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 2 ** 20)
     except (OSError, AttributeError):
         pass
 
