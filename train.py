@@ -436,10 +436,10 @@ def release_freed_memory():
 
 def on_training_thread(device, fn, *args):
     """fn(*args) on a thread of its own on the CPU (elsewhere right here), for training's forwards, backwards and
-    optimizer steps. glibc gives a new thread a heap of its own (an arena): the blocks a forward and backward free
-    stay in that heap, where the rest of the step reuses their pages without faulting them in afresh, and the
-    decoding on the main thread never re-touches them (release_freed_memory hands them back between steps).
-    Autocast and grad mode are per thread: fn sets its own."""
+    optimizer steps. glibc gives a new thread a heap of its own (an arena): the blocks under the mmap threshold that
+    a step frees stay in that heap, where the rest of the step reuses them, and the decoding on the main thread never
+    re-touches them (release_freed_memory hands them back between steps). Larger blocks, most activations among
+    them, are mapped afresh whichever thread asks. Autocast and grad mode are per thread: fn sets its own."""
     if torch.device(device).type != "cpu":
         return fn(*args)
     out = {}
