@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import all_reduce_sum, unwrap
+from engine import cache_rows
 from model import TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
 from env import load_examples, run_many
@@ -430,7 +431,10 @@ if __name__ == "__main__":
     parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="per assistant turn")
     parser.add_argument("--max-total-tokens", type=positive_int, default=None, help="per trajectory, prompt included")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="trajectories decoded at once (continuous "
-                        "batching: a finished one's slot goes to the next)")
+                        "batching: a finished one's slot goes to the next); fewer where memory lacks it")
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0,
+                        help="CPU: the most GiB the KV cache may take; --batch-size shrinks to fit it and the "
+                        "machine's available memory (a GPU fits its free memory)")
     parser.add_argument("--limit", type=positive_int, default=None, help="evaluate only the first N questions")
     parser.add_argument("--exec-timeout", type=float, default=30.0, help="seconds per scoring query")
     parser.add_argument("--name", default=None, help="output folder name under --out-dir")
@@ -492,6 +496,11 @@ if __name__ == "__main__":
     try:
         model, tokenizer = load_model(model_path, device=args.device, dtype=dtype, seed=args.seed)  # resolved above
     except ValueError as e:  # e.g. a tokenizer without a chat template
+        die(e)
+    budget = args.kv_cache_gb * 2 ** 30 if torch.device(args.device).type == "cpu" else None
+    try:  # a CPU cache commits pages as rows grow: sized here, before the first token, not when memory runs out
+        args.batch_size = cache_rows(model, args.batch_size, args.device, model.dtype, args.max_total_tokens, budget)
+    except ValueError as e:
         die(e)
     if model.config._attn_implementation not in ("sdpa", "eager"):
         model.set_attn_implementation("sdpa")  # rollout's batched rows need per-row attention masks

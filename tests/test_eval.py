@@ -433,6 +433,29 @@ def test_end_to_end_tiny_model_on_gym(gym_dir, tmp_path):
     assert "| greedy_ex |" in ev.markdown_report(summary)
 
 
+def test_cli_decodes_fewer_rows_in_a_smaller_kv_budget_and_stops_when_one_row_does_not_fit(gym_dir, tmp_path,
+                                                                                           monkeypatch, capsys):
+    import torch
+    import engine
+    from model import load_model
+    per_row = engine.kv_bytes_per_row(load_model("tiny")[0].config, 256, torch.float32)
+    flags = ["--model", "tiny", "--dtype", "fp32", "--device", "cpu", "--data", str(gym_dir / "dev.jsonl"),
+             "--limit", "3", "--samples", "1", "--ves-runs", "0", "--max-turns", "1", "--max-new-tokens", "4",
+             "--max-total-tokens", "256", "--batch-size", "3", "--out-dir", str(tmp_path)]
+
+    def run_eval(rows_of_budget):
+        monkeypatch.setattr(sys, "argv", ["eval.py", *flags, "--kv-cache-gb", str(rows_of_budget * per_row / 2 ** 30)])
+        runpy.run_path(str(ROOT / "eval.py"), run_name="__main__")
+        return capsys.readouterr()
+
+    out = run_eval(2.5)  # room for two rows of three
+    assert "decoding 2 rows at once" in out.out and len(list(tmp_path.glob("*/predictions.jsonl"))) == 1
+    with pytest.raises(SystemExit) as stop:
+        run_eval(0.5)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: one row of 257 KV slots") and "--kv-cache-gb" in err
+
+
 def test_cli_gold_as_prediction_on_gym(gym_dir):
     out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--gold-as-prediction", "--limit", "50",
                           "--data", str(gym_dir / "dev.jsonl")], capture_output=True, text=True, cwd=ROOT)
