@@ -262,9 +262,10 @@ def format_trust(episode) -> float:
 
 
 def format_final(episode) -> float:
-    """SQL-Trail eq. 11: 1 iff the final output is a well-formed answer turn (reasoning + solution tags)."""
+    """SQL-Trail eq. 11: 1 iff the final output is a well-formed answer turn (reasoning + solution tags), the
+    protocol's own answer action (TRUST's is confirm_answer)."""
     last = episode.actions[-1] if episode.actions else None
-    return float(last is not None and last.name == "answer" and last.valid)
+    return float(last is not None and last.name == episode.protocol.answer_action and last.valid)
 
 
 def format_all_turns(episode) -> bool:

@@ -74,8 +74,9 @@ def test_execution_values_per_paper():
 def _episode(names, valid=None, errors=None, final_sql=None, proposed=None, propose_turn=-1, max_turns=10,
              schema_mode="none"):
     actions = [SimpleNamespace(name=n, valid=True if valid is None else valid[i]) for i, n in enumerate(names)]
+    protocol = SimpleNamespace(answer_action="confirm_answer" if "confirm_answer" in names else "answer")
     return SimpleNamespace(actions=actions, turn_valid=[a.valid for a in actions], max_turns=max_turns,
-                           exec_errors=errors or [None] * len(names), final_sql=final_sql,
+                           exec_errors=errors or [None] * len(names), final_sql=final_sql, protocol=protocol,
                            proposed_schema=proposed, propose_turn=propose_turn, schema_mode=schema_mode)
 
 
@@ -367,6 +368,9 @@ def test_recipes_on_real_env_episodes(singer_example):
     assert (ep.done, ep.propose_turn, ep.final_sql) == (True, 1, RIGHT)
     r = REWARDS["trust"](_traj(ep), singer_example)
     assert (r["full"], r["schema"]) == (pytest.approx(1.1), 1.0)
+    # the other papers' format checks read TRUST's confirm_answer as its answer turn
+    assert REWARDS["skyrl"](_traj(ep), singer_example)["full"] == 1.0
+    assert REWARDS["trail"](_traj(ep), singer_example)["format"] == 1.0
 
     ep = env.new_episode(singer_example, protocols.get("trail"), max_turns=5)
     env.step(ep, "<reasoning>look</reasoning><sql>SELECT * FROM singer LIMIT 3</sql>")
