@@ -408,7 +408,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="smollm2", help="checkpoint folder, 'smollm2' (the demo's model), "
                         "'tiny' (the test model) or a Hugging Face id")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights during "
-                        "evaluation (auto: bf16 where the device has fast bf16 matmuls, as train.py rolls out)")
+                        "evaluation (auto: bf16 where the device decodes faster in bf16, CUDA or AMX, as train.py rolls out)")
     parser.add_argument("--data", type=existing_file, default=None,
                         help="examples JSONL (default: the gym dev split, built if missing)")
     # these five default to what a train.py checkpoint was trained with, else to ROLLOUT_FLAGS
@@ -492,7 +492,7 @@ if __name__ == "__main__":
         sys.exit(0)
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device)]
+    dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device, decoding=True)]
     try:
         model, tokenizer = load_model(model_path, device=args.device, dtype=dtype, seed=args.seed)  # resolved above
     except ValueError as e:  # e.g. a tokenizer without a chat template

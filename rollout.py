@@ -296,7 +296,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="smollm2", help='"smollm2" (the demo\'s model), "tiny" (the test model), a '
                         'Hugging Face id or a local folder')
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights while rolling "
-                        "out (auto: bf16 where the device has fast bf16 matmuls)")
+                        "out (auto: bf16 where the device decodes faster in bf16, CUDA or AMX)")
     parser.add_argument("--data", type=cli.existing_file, default=None, help="examples JSONL (default: gym dev)")
     parser.add_argument("--protocol", default="trust", choices=sorted(protocols.PROTOCOLS), help="agent turn format")
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
@@ -318,7 +318,7 @@ if __name__ == "__main__":
         args.data = str(ensure_gym() / "dev.jsonl")
     try:  # a user's --model or --data that cannot load: one line, not a traceback
         examples = env.load_examples(args.data)[:args.num_examples]
-        dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device)]
+        dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device, decoding=True)]
         model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as e:
         cli.die(e)
