@@ -408,7 +408,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="smollm2", help="checkpoint folder, 'smollm2' (the demo's model), "
                         "'tiny' (the test model) or a Hugging Face id")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights during "
-                        "evaluation (auto: bf16 where the device decodes faster in bf16, CUDA or AMX, as train.py rolls out)")
+                        "evaluation (auto: bf16 where it decodes faster, CUDA or AMX, as train.py rolls out)")
     parser.add_argument("--data", type=existing_file, default=None,
                         help="examples JSONL (default: the gym dev split, built if missing)")
     # these five default to what a train.py checkpoint was trained with, else to ROLLOUT_FLAGS

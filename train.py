@@ -114,7 +114,7 @@ def get_parser(add_help=True):
                    help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="bf16: fp32 master weights, bf16 compute (autocast) and rollouts; auto: bf16 where its matmuls"
-                        " are fast (CUDA, AVX512-BF16 or AMX CPUs), else fp32, and rollouts in fp32 on CPUs without AMX")
+                        " are fast (CUDA, AVX512-BF16 or AMX CPUs), else fp32; rollouts in fp32 on CPUs without AMX")
     p.add_argument("--data", type=cli.existing_file, default=None,
                    help="RL training examples JSONL (default: the gym's train split)")
     p.add_argument("--sft-data", type=cli.existing_file, default=None,
