@@ -67,8 +67,8 @@ def attn_implementation(device, dtype=torch.bfloat16):
 
 def fast_bf16(device, decoding=False):
     """Whether bf16 matmuls beat fp32 on this device: CUDA with bf16 support, or an x86 CPU with AMX, or for training
-    (many rows per matmul) one with AVX512-BF16. Decoding's few-row matmuls ran 1.4x faster in fp32 on an
-    AVX512-BF16 CPU without AMX; without either unit PyTorch emulates bf16, about 150x slower (docs/training.md)."""
+    (many rows per matmul) one with AVX512-BF16: decoding's few-row matmuls run faster in fp32 there. Without either
+    unit PyTorch emulates bf16, far slower than fp32 (docs/training.md, precision)."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.is_bf16_supported()

@@ -44,8 +44,8 @@ from data.spider.prepare import spider_sample
 from distributed import all_reduce_sum, barrier, distribute, setup_distributed, shard
 from eval import evaluate_ex, run_agent, trained_settings
 from grpo import GRPOConfig, advantages, group_signal, grpo_step
-from model import (latest_checkpoint, load_model, load_trainer_state, load_weights, replaceable_checkpoints, resolve,
-                   resolve_dtype, save_checkpoint)
+from model import (TORCH_DTYPES, latest_checkpoint, load_model, load_trainer_state, load_weights,
+                   replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint)
 from report import Logger, report
 from rewards import REWARDS, difficulty_score, turn_budget
 from sft import AgentTokenLoss, load_sft_data, pad_batch
@@ -693,7 +693,7 @@ def main(argv=None):
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise cli.UserError(e) from None
     # --- the rows decoded at once: --eval-batch-size, or as many as the KV cache's memory holds (said on one line)
-    kv_dtype = torch.bfloat16 if args.decode_dtype == "bf16" else model.dtype
+    kv_dtype = TORCH_DTYPES[args.decode_dtype]
     budget = args.kv_cache_gb * 2 ** 30 if torch.device(device).type == "cpu" else None
     try:
         rows = engine.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget)
@@ -750,8 +750,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     decode_bf16 = args.decode_dtype == "bf16"
     fsdp = args.fsdp and world > 1
     # rollouts decode a full copy: bf16 when decoding in bf16, unsharded under FSDP, uncompiled under --compile
-    sampler = copy.deepcopy(model).to(torch.bfloat16 if decode_bf16 else model.dtype) \
-        if decode_bf16 or fsdp or args.compile else model
+    sampler = copy.deepcopy(model).to(TORCH_DTYPES[args.decode_dtype]) if decode_bf16 or fsdp or args.compile else model
     autocast = functools.partial(torch.autocast, torch.device(device).type, torch.bfloat16) if bf16 else nullcontext
     wrap = distribute(model, args.fsdp, world, device, bf16, args.compile)  # SFT's loss: wrap (DDP); RL: the model
 
