@@ -358,7 +358,7 @@ def bench_rollout(args):
     torch.manual_seed(args.seed)
     if args.device == "cpu":
         model, tokenizer = load_model("smollm2", seed=args.seed)
-        precision = resolve_dtype("auto", "cpu", decoding=True)  # the demo's rollout precision
+        precision = resolve_dtype("auto", "cpu")  # the demo's rollout precision
         model = model.to(TORCH_DTYPES[precision])
         speedups = compare(f"SmolLM2-135M-Instruct / cpu / {precision}", model, tokenizer, examples, 32, 4, 96,
                            16384, goals=(3, 1), sync=torch.cpu.synchronize)

@@ -492,7 +492,7 @@ if __name__ == "__main__":
         sys.exit(0)
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device, decoding=True)]
+    dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device)]
     try:
         model, tokenizer = load_model(model_path, device=args.device, dtype=dtype, seed=args.seed)  # resolved above
     except ValueError as e:  # e.g. a tokenizer without a chat template

@@ -65,27 +65,26 @@ def attn_implementation(device, dtype=torch.bfloat16):
     return "flash_attention_2" if on_cuda and half and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
-def fast_bf16(device, decoding=False):
-    """Whether bf16 matmuls beat fp32 on this device: CUDA with bf16 support, or an x86 CPU with AMX, or for training
-    (many rows per matmul) one with AVX512-BF16: decoding's few-row matmuls run faster in fp32 there. Without either
-    unit PyTorch emulates bf16, far slower than fp32 (docs/training.md, precision)."""
+def fast_bf16(device):
+    """Whether bf16 matmuls beat fp32 on this device: CUDA with bf16 support, or an x86 CPU with AMX or AVX512-BF16.
+    Without either unit PyTorch emulates bf16, far slower than fp32 (docs/training.md, precision)."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.is_bf16_supported()
     if kind != "cpu":
         return False
-    return torch.cpu._is_amx_tile_supported() or (torch.cpu._is_avx512_bf16_supported() and not decoding)
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # resolve_dtype's names
 
 
-def resolve_dtype(name, device, decoding=False):
-    """--dtype auto|bf16|fp32 -> "bf16" or "fp32"; auto picks bf16 only where fast_bf16 for the work (training, or
-    decoding only), so a run never crawls. An explicit name stands."""
+def resolve_dtype(name, device):
+    """--dtype auto|bf16|fp32 -> "bf16" or "fp32"; auto picks bf16 only where fast_bf16, so a run never crawls. An
+    explicit name stands."""
     if name == "auto":
-        return "bf16" if fast_bf16(device, decoding) else "fp32"
-    if name == "bf16" and not fast_bf16(device, decoding):
+        return "bf16" if fast_bf16(device) else "fp32"
+    if name == "bf16" and not fast_bf16(device):
         print(f"note: --dtype bf16 runs slower than fp32 on this {torch.device(device).type} (--dtype auto picks "
               "fp32 here)")
     return name

@@ -318,7 +318,7 @@ if __name__ == "__main__":
         args.data = str(ensure_gym() / "dev.jsonl")
     try:  # a user's --model or --data that cannot load: one line, not a traceback
         examples = env.load_examples(args.data)[:args.num_examples]
-        dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device, decoding=True)]
+        dtype = TORCH_DTYPES[resolve_dtype(args.dtype, args.device)]
         model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as e:
         cli.die(e)

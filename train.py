@@ -114,7 +114,7 @@ def get_parser(add_help=True):
                    help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="bf16: fp32 master weights, bf16 compute (autocast) and rollouts; auto: bf16 where its matmuls"
-                        " are fast (CUDA, AVX512-BF16 or AMX CPUs), else fp32; rollouts in fp32 on CPUs without AMX")
+                        " are fast (CUDA, AVX512-BF16 or AMX CPUs), else fp32")
     p.add_argument("--data", type=cli.existing_file, default=None,
                    help="RL training examples JSONL (default: the gym's train split)")
     p.add_argument("--sft-data", type=cli.existing_file, default=None,
@@ -637,9 +637,7 @@ def main(argv=None):
     rank, world, device = setup_distributed(args)
     if torch.device(device).type == "cpu":
         return_memory_on_free()
-    # saved resolved in config.json; auto may decode in fp32 where bf16 only trains faster (model.fast_bf16)
-    args.decode_dtype = resolve_dtype("auto", device, decoding=True) if args.dtype == "auto" else args.dtype
-    args.dtype = resolve_dtype(args.dtype, device)
+    args.dtype = resolve_dtype(args.dtype, device)  # saved resolved in config.json
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -693,7 +691,7 @@ def main(argv=None):
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise cli.UserError(e) from None
     # --- the rows decoded at once: --eval-batch-size, or as many as the KV cache's memory holds (said on one line)
-    kv_dtype = TORCH_DTYPES[args.decode_dtype]
+    kv_dtype = TORCH_DTYPES[args.dtype]
     budget = args.kv_cache_gb * 2 ** 30 if torch.device(device).type == "cpu" else None
     try:
         rows = engine.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget)
@@ -747,10 +745,9 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     if ckpt is not None:  # weights first; optimizer state is loaded by the stage that owns it
         model = load_weights(model, ckpt)
     bf16 = args.dtype == "bf16"
-    decode_bf16 = args.decode_dtype == "bf16"
     fsdp = args.fsdp and world > 1
-    # rollouts decode a full copy: bf16 when decoding in bf16, unsharded under FSDP, uncompiled under --compile
-    sampler = copy.deepcopy(model).to(TORCH_DTYPES[args.decode_dtype]) if decode_bf16 or fsdp or args.compile else model
+    # rollouts decode a full copy: in bf16 under bf16, unsharded under FSDP, uncompiled under --compile
+    sampler = copy.deepcopy(model).to(TORCH_DTYPES[args.dtype]) if bf16 or fsdp or args.compile else model
     autocast = functools.partial(torch.autocast, torch.device(device).type, torch.bfloat16) if bf16 else nullcontext
     wrap = distribute(model, args.fsdp, world, device, bf16, args.compile)  # SFT's loss: wrap (DDP); RL: the model
 
@@ -766,7 +763,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
             sys.exit(0)
 
     def policy():
-        """The weights to decode with: a full copy (bf16 when decoding in bf16) refreshed here, or the model itself.
+        """The weights to decode with: a full copy (bf16 under bf16) refreshed here, or the model itself.
         Decoding under autocast would cast every fp32 weight again at each step (docs/training.md, precision)."""
         model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
         release_freed_memory()  # what training freed, before the KV cache is allocated

@@ -138,6 +138,27 @@ def test_each_row_range_reads_up_to_its_longest_row(monkeypatch):
     assert engine.row_ranges(sorted([5, 100, 6, 90]), 1) == [(0, 2, 7), (2, 4, 101)]  # sorted: 216 keys, not 384
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_attention_is_attention_over_repeated_key_heads(dtype):
+    # SmolLM2's heads: 9 query heads over 3 key heads; query head h reads key head h // 3 (transformers' repeat_kv).
+    # Rows hold 5, 17 and 30 keys of 30 slots, hidden past their length by the additive mask the engine builds
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 9, 1, 64, generator=gen).to(dtype)    # (A, H, 1, D)
+    key = torch.randn(3, 3, 30, 64, generator=gen).to(dtype)     # (A, Hkv, n, D)
+    value = torch.randn(3, 3, 30, 64, generator=gen).to(dtype)
+    lens = torch.tensor([5, 17, 30])
+    hidden = torch.arange(30) >= lens[:, None]                    # (A, n)
+    mask = torch.zeros(3, 1, 1, 30, dtype=dtype).masked_fill_(hidden[:, None, None], torch.finfo(dtype).min)
+    out = engine.grouped_decode_attention(query, key, value, mask, 0.125)  # (A, 1, H, D)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(3, 1),
+                                                            value.repeat_interleave(3, 1), attn_mask=mask, scale=0.125)
+    assert out.shape == (3, 1, 9, 64)
+    assert torch.allclose(out.transpose(1, 2).float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    # the first row's answer uses its 5 keys only: values past them may be anything
+    value[0, :, 5:] = 1e3
+    assert torch.equal(engine.grouped_decode_attention(query, key, value, mask, 0.125)[0], out[0])
+
+
 def test_length_ranges_and_sorted_slots_decode_as_one_range_does(tiny, examples, monkeypatch):
     # rows alternate observations of 1 and 10 CREATE statements, so lengths alternate; with 2 rows per range the
     # cache gets sorted and each pair of rows reads its own keys only, which must change no token and no log-prob
