@@ -264,7 +264,6 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     return torch.cat(out), None
 
 
-
 AttentionInterface.register("sqlrl_slot_attention", slot_attention)
 
 
