@@ -224,7 +224,7 @@ def decode_kernel(device, dtype, head_dim):
 def grouped_decode_attention(query, key, value, mask, scaling):
     """One new token per row, query (A, H, 1, D) over keys (A, Hkv, n, D): the H / Hkv query heads that share a key
     head attend as that head's H / Hkv queries, so SDPA reads each key once. Given the heads ungrouped, its CPU kernel
-    in bf16 runs 5x slower, as if it read each key once per query head (docs/rollout.md)."""
+    in bf16 runs as if it read each key once per query head (docs/rollout.md)."""
     A, H, _, D = query.shape
     Hkv = key.shape[1]
     grouped = query.reshape(A, Hkv, H // Hkv, D)
