@@ -292,11 +292,12 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
+    from model import AUTO_DTYPE, TORCH_DTYPES, load_model, resolve_dtype
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help='"smollm2" (the demo\'s model), "tiny" (the test model), a '
                         'Hugging Face id or a local folder')
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights while rolling "
-                        "out (auto: bf16 where the device decodes faster in bf16, CUDA or AMX)")
+                        f"out; {AUTO_DTYPE}")
     parser.add_argument("--data", type=cli.existing_file, default=None, help="examples JSONL (default: gym dev)")
     parser.add_argument("--protocol", default="trust", choices=sorted(protocols.PROTOCOLS), help="agent turn format")
     parser.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES,
@@ -312,7 +313,6 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
-    from model import TORCH_DTYPES, load_model, resolve_dtype
     if args.data is None:
         from data.gym.prepare import ensure_gym
         args.data = str(ensure_gym() / "dev.jsonl")

@@ -4,6 +4,10 @@ model.py: SmolLM2 fetched and converted once, the tiny test model, load_model on
     python -m pytest -q tests/test_model.py
 """
 import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -151,6 +155,15 @@ def test_dtype_auto_picks_bf16_only_where_it_is_faster(monkeypatch, capsys, avx5
     assert M.resolve_dtype("fp32", "cpu") == "fp32"
     assert M.resolve_dtype("bf16", "cpu") == "bf16"  # an explicit choice stands, with a note where it is slow
     assert ("note: --dtype bf16" in capsys.readouterr().out) == (auto == "fp32")
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "rollout.py"])
+def test_each_scripts_dtype_help_names_the_cpus_where_auto_picks_bf16(script):
+    # the rule above, said where a user reads it; eval.py and rollout.py once still said "CUDA or AMX"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, script, "--help"], cwd=root, capture_output=True, text=True, check=True).stdout
+    dtype_help = " ".join(out.split("--dtype {auto,bf16,fp32}")[-1].split("--data")[0].split())
+    assert "auto: bf16 where its matmuls are fast, on CUDA and on CPUs with AVX512-BF16 or AMX, else fp32" in dtype_help
 
 
 @pytest.mark.parametrize("amx", [False, True])
