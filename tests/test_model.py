@@ -159,7 +159,7 @@ def test_dtype_auto_picks_bf16_only_where_it_is_faster(monkeypatch, capsys, avx5
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "rollout.py"])
 def test_each_scripts_dtype_help_names_the_cpus_where_auto_picks_bf16(script):
-    # the rule above, said where a user reads it; eval.py and rollout.py once still said "CUDA or AMX"
+    # the rule above, said where a user reads it: each script's --help
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, script, "--help"], cwd=root, capture_output=True, text=True, check=True).stdout
     dtype_help = " ".join(out.split("--dtype {auto,bf16,fp32}")[-1].split("--data")[0].split())
