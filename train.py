@@ -633,6 +633,7 @@ def main(argv=None):
     sources = setting_sources(argv)
     for stage in steps_win(sources):
         sources[f"{stage}_epochs"] = sources[f"{stage}_steps"]
+    owns_group = not dist.is_initialized()  # a caller's process group outlives this run; one made here ends with it
     rank, world, device = setup_distributed(args)
     if torch.device(device).type == "cpu":
         return_memory_on_free()
@@ -734,7 +735,7 @@ def main(argv=None):
     finally:
         if args.protocol != base_protocol:  # leave the registry as we found it (in-process callers, tests)
             protocols.PROTOCOLS.pop(args.protocol, None)
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

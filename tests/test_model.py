@@ -4,7 +4,7 @@ model.py: SmolLM2 fetched and converted once, the tiny test model, load_model on
     python -m pytest -q tests/test_model.py
 """
 import json
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -158,10 +158,13 @@ def test_dtype_auto_picks_bf16_only_where_it_is_faster(monkeypatch, capsys, avx5
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "rollout.py"])
-def test_each_scripts_dtype_help_names_the_cpus_where_auto_picks_bf16(script):
-    # the rule above, said where a user reads it: each script's --help
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, script, "--help"], cwd=root, capture_output=True, text=True, check=True).stdout
+def test_each_scripts_dtype_help_names_the_cpus_where_auto_picks_bf16(script, monkeypatch, capsys):
+    # the rule above, said where a user reads it: each script's --help, run as its __main__
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(Path(__file__).resolve().parents[1] / script), run_name="__main__")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
     dtype_help = " ".join(out.split("--dtype {auto,bf16,fp32}")[-1].split("--data")[0].split())
     assert "auto: bf16 where its matmuls are fast, on CUDA and on CPUs with AVX512-BF16 or AMX, else fp32" in dtype_help
 
@@ -181,7 +184,8 @@ def test_train_decodes_from_a_bf16_copy_on_a_bf16_cpu(monkeypatch, tmp_path, amx
     real_evaluate_ex = train.evaluate_ex
     monkeypatch.setattr(train, "evaluate_ex", evaluate_ex)
     train.main(["--model", "tiny", "--stage", "sft", "--sft-steps", "1", "--sft-batch-size", "1", "--eval-limit", "1",
-                "--spider-limit", "0", "--ckpt-every", "0", "--out-dir", str(tmp_path), "--run-name", "cpu"])
+                "--teacher-limit", "4", "--max-new-tokens", "16", "--spider-limit", "0", "--ckpt-every", "0",
+                "--out-dir", str(tmp_path), "--run-name", "cpu"])
     config = json.loads((tmp_path / "cpu" / "config.json").read_text())
     assert config["dtype"] == "bf16"
     assert decoded == [torch.bfloat16]  # the evaluation after SFT

@@ -1,6 +1,7 @@
 """Short checks on the real model, SmolLM2-135M-Instruct (fetched once into ~/.cache/sqlrl): a 2-turn rollout is
 token-in/token-out against its chat template and replays its own log-probs, and one GRPO step moves the weights the
-way the advantages say and writes a checkpoint that a bare from_pretrained loads. About 20 s on 2 CPU cores."""
+way the advantages say and writes a checkpoint that a bare from_pretrained loads. Both speak the demo's protocol
+(train.DEMO: the short system prompt, 40 observation rows)."""
 import json
 
 import pytest
@@ -40,20 +41,25 @@ def trust_turn(example, sql, answer=False):
     return f"<think>Which tables?</think>\n<action>explore_schema</action>\n<tool_call>\n{call}\n</tool_call>"
 
 
+def demo_protocol():
+    return protocols.protocol_variant("trust", train.DEMO["brief_prompt"], train.DEMO["obs_rows"])
+
+
 def test_two_turn_rollout_is_its_chat_template_and_replays(smol, examples):
     model, tokenizer = smol
-    proto = protocols.PROTOCOLS["trust"]
+    name = demo_protocol()
+    proto = protocols.PROTOCOLS[name]
     batch = examples[:2]
     # turn 0: a scripted tool call (real observation); turn 1: SmolLM2 samples 16 tokens of its own, then eos
     scripts = {r: [trust_turn(ex, "SELECT name FROM sqlite_master WHERE type = 'table'"), 16]
                for r, ex in enumerate(batch)}
-    trajs = rollout.rollout(model, tokenizer, batch, "trust", group_size=1, max_turns=2, max_new_tokens=128,
+    trajs = rollout.rollout(model, tokenizer, batch, name, group_size=1, max_turns=2, max_new_tokens=128,
                             max_total_tokens=4096, temperature=0.8, top_p=1.0, schema_mode="none", seed=0,
                             force=forced(tokenizer, scripts))
     for traj, ex in zip(trajs, batch):
         assert traj.num_turns == 2 and traj.num_tool_calls == 1
         # the same conversation through SmolLM2's chat template, observations from a fresh episode
-        episode = env.new_episode(ex, protocols.get("trust"), 2)
+        episode = env.new_episode(ex, proto, 2)
         messages = proto.build_messages(ex, "none", 2)
         turn_tokens = {}
         for i, t in enumerate(traj.turn_ids):
@@ -86,7 +92,7 @@ def test_one_grpo_step_moves_smollm2_along_the_advantage_and_saves_a_plain_check
     ex = examples[0]
     # one group of 2: the first commits the gold SQL, the second a wrong one; the real trust reward scores them
     scripts = {0: [trust_turn(ex, ex["gold_sql"], answer=True)], 1: [trust_turn(ex, "SELECT 1", answer=True)]}
-    trajs = rollout.rollout(model, tokenizer, [ex], "trust", group_size=2, max_turns=1, max_new_tokens=200,
+    trajs = rollout.rollout(model, tokenizer, [ex], demo_protocol(), group_size=2, max_turns=1, max_new_tokens=200,
                             max_total_tokens=4096, temperature=1.0, top_p=1.0, schema_mode="none", seed=0,
                             force=forced(tokenizer, scripts))
     rewards = [REWARDS["trust"](t, ex) for t in trajs]

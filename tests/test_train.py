@@ -327,14 +327,19 @@ rows = []
 for n in (30, 50, 20, 40):  # 4 sequences of different lengths and agent-token counts
     ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
     rows.append((ids, [int(i > n // 3) for i in range(n)]))
+if rank == 0:  # one process over the whole batch: a copy of the same weights, no DDP
+    alone = load_model("tiny", seed=0)[0].train()
+    ids, mask = train.pad_batch(rows, tok.pad_token_id, "cpu")
+    train.AgentTokenLoss(alone)(ids, mask, float(sum(sum(m[1:]) for _, m in rows)), 1).backward()
+    torch.save({n: p.grad for n, p in alone.named_parameters()}, sys.argv[2] + "/grad1.pt")
 mine = rows[rank::world]
 tokens = all_reduce_sum(torch.tensor(float(sum(sum(m[1:]) for _, m in mine)))).item()
 loss_fn = train.AgentTokenLoss(model)
-wrapped = torch.nn.parallel.DistributedDataParallel(loss_fn) if world > 1 else loss_fn
+wrapped = torch.nn.parallel.DistributedDataParallel(loss_fn)
 ids, mask = train.pad_batch(mine, tok.pad_token_id, "cpu")
 wrapped(ids, mask, tokens, world).backward()
 if rank == 0:
-    torch.save({n: p.grad for n, p in model.named_parameters()}, sys.argv[2])
+    torch.save({n: p.grad for n, p in model.named_parameters()}, sys.argv[2] + "/grad2.pt")
 dist.barrier()
 dist.destroy_process_group()
 os._exit(0)  # gloo's worker threads can abort interpreter teardown (SIGABRT, ~1 run in 20): skip it
@@ -353,8 +358,7 @@ def test_training_runs_on_a_thread_of_its_own_whose_errors_reach_the_caller():
 def test_ddp_gradients_match_single_process(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
-    for world in (1, 2):
-        torchrun(world, script, ROOT, tmp_path / f"grad{world}.pt", cwd=tmp_path)
+    torchrun(2, script, ROOT, tmp_path, cwd=tmp_path)  # rank 0 also takes the whole batch's gradients alone
     one, two = torch.load(tmp_path / "grad1.pt"), torch.load(tmp_path / "grad2.pt")
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)
@@ -521,15 +525,21 @@ def test_grpo_flags_reach_the_update():
 # RL under FSDP2: the sharded update equals DDP's, and a resumed run equals an uninterrupted one
 
 RL_SCRIPT = r"""
-import os, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
 import train
-# a reward that varies with the sampled tokens, so the random tiny model has advantages to learn from
-train.REWARDS["by_tokens"] = lambda t, ex: {"full": (sum(t.token_ids) % 7) / 7, "schema": None, "correct": 0.0}
-try:
-    train.main(sys.argv[2:])
-except SystemExit:  # --stop-after
-    pass
+
+def by_tokens(t, ex):  # a reward that varies with the sampled tokens: the random tiny model has advantages to learn
+    return {"full": (sum(t.token_ids) % 7) / 7, "schema": None, "correct": 0.0}
+
+train.REWARDS["by_tokens"] = by_tokens
+dist.init_process_group("gloo")
+for argv in json.loads(sys.argv[2]):  # runs one after another in one launch, on this script's process group
+    try:
+        train.main(argv)
+    except SystemExit:  # --stop-after
+        pass
 os._exit(0)  # gloo's worker threads can abort interpreter teardown: skip it
 """
 
@@ -541,11 +551,13 @@ def test_fsdp_rl_matches_ddp_and_resumes_exactly(tmp_path):
               "--rl-batch-size", "2", "--ppo-mini-batches", "1", "--group-size", "2", "--max-turns", "2",
               "--max-new-tokens", "8",
               "--max-total-tokens", "2048", "--filter-k", "0", "--eval-limit", "1", "--spider-limit", "0",
-              "--kl-beta", "0.1", "--rl-lr", "1e-3", "--warmup-ratio", "0", "--ckpt-every", "1", "--out-dir", tmp_path]
-    torchrun(2, script, ROOT, *common, "--run-name", "ddp", cwd=tmp_path)
-    torchrun(2, script, ROOT, *common, "--fsdp", "--run-name", "fsdp", cwd=tmp_path)
-    torchrun(2, script, ROOT, *common, "--fsdp", "--run-name", "resumed", "--stop-after", "1", cwd=tmp_path)
-    torchrun(2, script, ROOT, *common, "--fsdp", "--run-name", "resumed", "--resume", cwd=tmp_path)
+              "--kl-beta", "0.1", "--rl-lr", "1e-3", "--warmup-ratio", "0", "--ckpt-every", "1", "--out-dir",
+              str(tmp_path)]
+    runs = [common + ["--run-name", "ddp"],
+            common + ["--fsdp", "--run-name", "fsdp"],
+            common + ["--fsdp", "--run-name", "resumed", "--stop-after", "1"],
+            common + ["--fsdp", "--run-name", "resumed", "--resume"]]
+    torchrun(2, script, ROOT, json.dumps(runs), cwd=tmp_path)
     rl = {n: [r for r in map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines())
               if r["stage"] == "rl"] for n in ("ddp", "fsdp", "resumed")}
     # the same prompts and seeds per rank, decoded from a full copy of the weights: the same rollouts, so the
