@@ -324,6 +324,39 @@ def decode_bound(model, rows, ctx, steps):
           f"HBM bound ({weight_bytes / 1e9:.1f} GB weights + {kv_bytes / 1e9:.1f} GB KV at {hbm / 1e12:.2f} TB/s) "
           f"{bound_s * 1e3:.2f} ms = {bound_s / step_s:.0%} of the bound (goal >= 50%)")
     print(f"  capture: {len(decoder.graphs)} CUDA graphs (buckets {decoder.buckets}) in {decoder.capture_s:.1f} s")
+    with torch.inference_mode(), engine.use_slot_attention(model):
+        print(step_kernels(model, cache, rows, decoder.kernel, steps=5))
+
+
+def step_kernels(model, cache, rows, kernel, steps):
+    """Where an eager decode step's device time goes (a graph replays the same kernels): the five kernels that take
+    the most, per step, and how many kernels a step launches. On the CPU the same table of the CPU's ops."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    import engine
+    on_cuda = cache.k[0].device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    engine.decode_step(model, cache, rows, kernel)  # warm-up
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.decode_step(model, cache, rows, kernel)
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    def self_us(event):  # the op's own time, in µs, where the step runs
+        return event.self_device_time_total if on_cuda else event.self_cpu_time_total
+    # on CUDA only the kernels: a CPU op's self device time repeats the time of the kernels it launched
+    where = DeviceType.CUDA if on_cuda else DeviceType.CPU
+    ops = sorted((e for e in prof.key_averages() if e.device_type == where and self_us(e) > 0), key=self_us,
+                 reverse=True)
+    per_step = [self_us(e) / steps / 1e3 for e in ops]  # ms
+    lines = [f"  an eager step's {'kernels' if on_cuda else 'CPU ops'}: {sum(per_step):.2f} ms, "
+             f"{sum(e.count for e in ops) // steps} {'launches' if on_cuda else 'calls'}; the five longest:"]
+    for e, ms in zip(ops[:5], per_step):
+        lines.append(f"    {ms:6.2f} ms  {e.count // steps:4d}x  {e.key[:90]}")
+    return "\n".join(lines)
 
 
 def graph_token_diff(model, tokenizer, examples, rows, turn_len, limit):
@@ -347,7 +380,8 @@ def bench_rollout(args):
     All get identical work: the trust protocol in unknown-schema mode, 5 turns of exactly `turn_len` tokens from a
     scripted policy, the same observations. CPU: SmolLM2-135M-Instruct in the demo's rollout precision (--dtype
     auto). --device cuda: random Qwen3-0.6B- and Qwen3-4B-shaped models at 64 rows in bf16 (SmolLM2's tokenizer),
-    the decode step against the HBM bound, the capture time, and graph replay against the eager step."""
+    the decode step against the HBM bound, the capture time, the step's five longest kernels, and graph replay
+    against the eager step."""
     import torch
 
     import env

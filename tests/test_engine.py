@@ -80,6 +80,26 @@ def test_padded_rows_write_only_the_scratch_slot(tiny):
         assert not torch.equal(x[0, 3], torch.zeros_like(x[0, 3]))  # a live row did write its new key
 
 
+def test_the_step_profile_names_the_five_longest_ops_of_a_step(tiny):
+    """bench.py's table of where a decode step's time goes (on a GPU, its kernels), here from the CPU's ops."""
+    model, _ = tiny
+    cache = engine.SlotCache(model, 4, "cpu", torch.float32, 64)
+    with torch.inference_mode(), engine.use_slot_attention(model):
+        engine.forward_chunks(model, cache, [[5, 6, 7]] * 4, 0)
+        decoder = engine.make_decoder(model, cache, "static")
+        engine.decode(model, cache, decoder, [8, 9, 10, 11], 0)
+        table = bench.step_kernels(model, cache, 4, decoder.kernel, steps=3).splitlines()
+    total_ms = float(table[0].split(": ")[1].split(" ms")[0])
+    calls = int(table[0].split(" ms, ")[1].split()[0])
+    longest_ms = [float(line.split()[0]) for line in table[1:]]
+    assert len(longest_ms) == 5 and longest_ms == sorted(longest_ms, reverse=True) and longest_ms[-1] > 0
+    assert sum(longest_ms) <= total_ms + 0.01 * len(longest_ms)  # each shown rounded to 0.01 ms
+    # per step: seven bias-free projections a layer, then the LM head, each one matmul
+    matmuls = f"{7 * model.config.num_hidden_layers + 1}x  aten::mm"
+    assert any(line.split(" ms", 1)[1].strip() == matmuls for line in table[1:]), table
+    assert calls > 7 * model.config.num_hidden_layers + 1
+
+
 def test_batch_buckets():
     assert engine.batch_buckets(3) == [1, 2, 3]
     assert engine.batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
