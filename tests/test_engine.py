@@ -63,13 +63,19 @@ def test_a_step_with_a_python_int_key_length_is_not_capturable(tiny, examples):
     assert not ok and line.startswith("decode step capturable: no (") and "recompile" in line, line
 
 
+def prefilled(model):
+    """A 64-slot fp32 cache of 4 rows holding 3 prompt tokens each, and a static decoder over it (call it under
+    inference mode and slot attention)."""
+    cache = engine.SlotCache(model, 4, "cpu", torch.float32, 64)
+    engine.forward_chunks(model, cache, [[5, 6, 7]] * 4, 0)
+    return cache, engine.make_decoder(model, cache, "static")
+
+
 def test_padded_rows_write_only_the_scratch_slot(tiny):
     """3 feeds run at the 4-row bucket: row 3 is padding and must leave every real slot of its row as it was."""
     model, _ = tiny
-    cache = engine.SlotCache(model, 4, "cpu", torch.float32, 64)
     with torch.inference_mode(), engine.use_slot_attention(model):
-        engine.forward_chunks(model, cache, [[5, 6, 7]] * 4, 0)
-        decoder = engine.make_decoder(model, cache, "static")
+        cache, decoder = prefilled(model)
         cache.keep([0, 1, 2])  # the fourth row leaves: 3 rows in use, decoded at bucket 4
         before = [x[3].clone() for x in cache.k + cache.v]
         engine.decode(model, cache, decoder, [8, 9, None], 0)
@@ -83,10 +89,8 @@ def test_padded_rows_write_only_the_scratch_slot(tiny):
 def test_the_step_profile_names_the_five_longest_ops_of_a_step(tiny):
     """bench.py's table of where a decode step's time goes (on a GPU, its kernels), here from the CPU's ops."""
     model, _ = tiny
-    cache = engine.SlotCache(model, 4, "cpu", torch.float32, 64)
     with torch.inference_mode(), engine.use_slot_attention(model):
-        engine.forward_chunks(model, cache, [[5, 6, 7]] * 4, 0)
-        decoder = engine.make_decoder(model, cache, "static")
+        cache, decoder = prefilled(model)
         engine.decode(model, cache, decoder, [8, 9, 10, 11], 0)
         table = bench.step_kernels(model, cache, 4, decoder.kernel, steps=3).splitlines()
     total_ms = float(table[0].split(": ")[1].split(" ms")[0])
