@@ -313,7 +313,8 @@ def decode_bound(model, rows, ctx, steps):
             logits = engine.decode(model, cache, decoder, [7] * rows, 0)
             engine.sample(logits, 1.0, 1.0, gen)[0].tolist()
         torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / steps
+        step_s = (time.perf_counter() - t0) / steps
+        kernel_table = step_kernels(model, cache, rows, decoder.kernel, steps=5)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = (rows * (ctx + steps // 2) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
                 * engine.head_dim(cfg) * param.element_size())
@@ -324,8 +325,7 @@ def decode_bound(model, rows, ctx, steps):
           f"HBM bound ({weight_bytes / 1e9:.1f} GB weights + {kv_bytes / 1e9:.1f} GB KV at {hbm / 1e12:.2f} TB/s) "
           f"{bound_s * 1e3:.2f} ms = {bound_s / step_s:.0%} of the bound (goal >= 50%)")
     print(f"  capture: {len(decoder.graphs)} CUDA graphs (buckets {decoder.buckets}) in {decoder.capture_s:.1f} s")
-    with torch.inference_mode(), engine.use_slot_attention(model):
-        print(step_kernels(model, cache, rows, decoder.kernel, steps=5))
+    print(kernel_table)
 
 
 def step_kernels(model, cache, rows, kernel, steps):
