@@ -33,7 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import all_reduce_sum, unwrap
 from engine import cache_rows
-from model import AUTO_DTYPE, TORCH_DTYPES, resolve_dtype
+from model import AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
 from env import load_examples, run_many
 from rewards import SCORE_MAX_ROWS, gold_order_matters, gold_results, is_correct  # shared with the rewards
@@ -407,7 +407,7 @@ if __name__ == "__main__":
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help="checkpoint folder, 'smollm2' (the demo's model), "
                         "'tiny' (the test model) or a Hugging Face id")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights during "
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights during "
                         f"evaluation, as train.py rolls out; {AUTO_DTYPE}")
     parser.add_argument("--data", type=existing_file, default=None,
                         help="examples JSONL (default: the gym dev split, built if missing)")

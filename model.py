@@ -77,6 +77,7 @@ def fast_bf16(device):
 
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # resolve_dtype's names
+DTYPE_CHOICES = ["auto", *TORCH_DTYPES]  # every script's --dtype
 AUTO_DTYPE = "auto: bf16 where its matmuls are fast, on CUDA and on CPUs with AVX512-BF16 or AMX, else fp32"
 
 

@@ -292,11 +292,11 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
 # -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
-    from model import AUTO_DTYPE, TORCH_DTYPES, load_model, resolve_dtype
+    from model import AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, load_model, resolve_dtype
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help='"smollm2" (the demo\'s model), "tiny" (the test model), a '
                         'Hugging Face id or a local folder')
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weights while rolling "
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights while rolling "
                         f"out; {AUTO_DTYPE}")
     parser.add_argument("--data", type=cli.existing_file, default=None, help="examples JSONL (default: gym dev)")
     parser.add_argument("--protocol", default="trust", choices=sorted(protocols.PROTOCOLS), help="agent turn format")

@@ -44,8 +44,8 @@ from data.spider.prepare import spider_sample
 from distributed import all_reduce_sum, barrier, distribute, setup_distributed, shard
 from eval import evaluate_ex, run_agent, trained_settings
 from grpo import GRPOConfig, advantages, group_signal, grpo_step
-from model import (AUTO_DTYPE, TORCH_DTYPES, latest_checkpoint, load_model, load_trainer_state, load_weights,
-                   replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint)
+from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, latest_checkpoint, load_model, load_trainer_state,
+                   load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint)
 from report import Logger, report
 from rewards import REWARDS, difficulty_score, turn_budget
 from sft import AgentTokenLoss, load_sft_data, pad_batch
@@ -112,7 +112,7 @@ def get_parser(add_help=True):
     p.add_argument("--recipe", default="trust", choices=sorted(RECIPES), help="a paper's settings (RECIPES)")
     p.add_argument("--model", default="smollm2",
                    help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help=f"bf16: fp32 master weights, bf16 compute (autocast) and rollouts; {AUTO_DTYPE}")
     p.add_argument("--data", type=cli.existing_file, default=None,
                    help="RL training examples JSONL (default: the gym's train split)")

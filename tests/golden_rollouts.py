@@ -18,7 +18,7 @@ from model import load_model  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "smollm2"]
-ROWS = {"smollm2": (3, 2)}  # (rows, rows decoded at once); the real model is costlier, so it gets fewer rows
+ROWS = {"smollm2": (2, 2)}  # (rows, rows decoded at once); the real model is costlier, so it gets fewer rows
 
 
 def family_model(name, tokenizer):
@@ -68,7 +68,7 @@ def force_from(tokenizer, scripts):
 
 
 def golden_rollout(model, tokenizer, examples, family, **kw):
-    """The scenario under continuous batching, greedy: 6 rows, 4 decoded at once (SmolLM2: 3 and 2)."""
+    """The scenario under continuous batching, greedy: 6 rows, 4 decoded at once (SmolLM2: 2 and 2)."""
     rows, max_rows = ROWS.get(family, (6, 4))
     batch = examples[:rows]
     return rollout.rollout(model, tokenizer, batch, "trust", group_size=1, max_turns=4, max_new_tokens=96,
