@@ -84,6 +84,11 @@ def load_sft_data(path, tokenizer, max_len, rank=0):
 # batches and the loss
 
 
+def agent_tokens(rows):
+    """Tokens the loss counts in (ids, mask) rows: each mask after its first position (position t-1 predicts t)."""
+    return float(sum(sum(mask[1:]) for _, mask in rows))
+
+
 def pad_batch(rows, pad_id, device):
     """Right-padded (B, T) ids, (B, T) loss mask."""
     T = max(len(ids) for ids, _ in rows)

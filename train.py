@@ -48,7 +48,7 @@ from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, latest_checkpoint, l
                    load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint)
 from report import Logger, report
 from rewards import REWARDS, difficulty_score, turn_budget
-from sft import AgentTokenLoss, load_sft_data, pad_batch
+from sft import AgentTokenLoss, agent_tokens, load_sft_data, pad_batch
 
 ROOT = Path(__file__).resolve().parent
 
@@ -477,7 +477,7 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
         t0 = time.perf_counter()
         idx = take(len(rows), args.sft_batch_size, args.seed, step * args.sft_batch_size)
         mine = sorted((rows[i] for i in idx[rank::world]), key=lambda r: len(r[0]))  # similar lengths: less padding
-        tokens = all_reduce_sum(torch.tensor(float(sum(sum(m[1:]) for _, m in mine)))).item()
+        tokens = all_reduce_sum(torch.tensor(agent_tokens(mine))).item()
         loss_sum = 0.0
         chunks = [mine[i: i + micro] for i in range(0, len(mine), micro)]  # global normaliser: split-invariant
         for j, chunk in enumerate(chunks):

@@ -327,17 +327,13 @@ rows = []
 for n in (30, 50, 20, 40):  # 4 sequences of different lengths and agent-token counts
     ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
     rows.append((ids, [int(i > n // 3) for i in range(n)]))
-
-def agent_tokens(batch):  # the tokens the loss counts: each mask after its first position
-    return float(sum(sum(m[1:]) for _, m in batch))
-
 if rank == 0:  # one process over the whole batch: a copy of the same weights, no DDP
     alone = load_model("tiny", seed=0)[0].train()
     ids, mask = train.pad_batch(rows, tok.pad_token_id, "cpu")
-    train.AgentTokenLoss(alone)(ids, mask, agent_tokens(rows), 1).backward()
+    train.AgentTokenLoss(alone)(ids, mask, train.agent_tokens(rows), 1).backward()
     torch.save({n: p.grad for n, p in alone.named_parameters()}, sys.argv[2] + "/grad1.pt")
 mine = rows[rank::world]
-tokens = all_reduce_sum(torch.tensor(agent_tokens(mine))).item()
+tokens = all_reduce_sum(torch.tensor(train.agent_tokens(mine))).item()
 loss_fn = train.AgentTokenLoss(model)
 wrapped = torch.nn.parallel.DistributedDataParallel(loss_fn)
 ids, mask = train.pad_batch(mine, tok.pad_token_id, "cpu")
