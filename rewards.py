@@ -81,15 +81,26 @@ def bare_joins(sql: str) -> int:
     return bare + sum(pending.values())
 
 
+def double_quoted_names(sql: str) -> set:
+    """Names sql writes in double quotes, lower-cased. SQLite reads such a name as a string literal when no column
+    has it (WHERE airline = "JetBlue Airways", which Spider's gold SQL relies on); a `backticked` or [bracketed]
+    name is always an identifier, so an unknown one is an error. sqlglot's tree marks all three alike as quoted."""
+    try:
+        tokens = sqlglot.tokenize(sql, read="sqlite")
+    except SqlglotError:
+        return set()
+    return {t.text.lower() for t in tokens if t.token_type == TokenType.IDENTIFIER and sql[t.start] == '"'}
+
+
 @functools.lru_cache(maxsize=65536)
 def _extract_schema(sql: str, db_path: str) -> tuple[frozenset, frozenset]:
     if bare_joins(sql) > MAX_BARE_JOINS:  # model output: refuse what sqlglot would take hours to parse
         raise ValueError(f"more than {MAX_BARE_JOINS} JOINs without ON/USING: too costly to parse")
     tree = sqlglot.parse_one(sql, read="sqlite")
     known = {c for cols in db_schema(db_path).values() for c in cols}
+    strings = double_quoted_names(sql)  # an unknown one of these is a string literal to SQLite
     for col in list(tree.find_all(exp.Column)):
-        # SQLite reads a quoted name that is no column as a string literal: WHERE airline = "JetBlue Airways"
-        if not col.table and col.this.quoted and col.name.lower() not in known:
+        if not col.table and col.name.lower() in strings and col.name.lower() not in known:
             col.replace(exp.Literal.string(col.name))
     # qualify resolves aliases/CTEs/subqueries against the real schema; `*` stays a star (adds no columns),
     # and columns it cannot resolve (hallucinated) are kept rather than raising

@@ -13,7 +13,7 @@ from sqlglot import exp
 from sqlglot.optimizer.scope import traverse_scope
 
 from env import run_sql
-from rewards import MAX_BARE_JOINS, bare_joins, db_schema, extract_schema
+from rewards import MAX_BARE_JOINS, bare_joins, db_schema, double_quoted_names, extract_schema
 
 
 def parse_query(sql: str):
@@ -30,11 +30,12 @@ def parse_query(sql: str):
     return trees[0]
 
 
-def unknown_names(tree, db_path: str) -> list[str]:
-    """Tables and columns the query references that do not exist in the database (sqlglot tree, real schema).
+def unknown_names(sql: str, tree, db_path: str) -> list[str]:
+    """Tables and columns the query references that do not exist in the database (its sqlglot tree, real schema).
     Columns are resolved per scope against the tables visible there (outer scopes included, for correlated
     subqueries); a scope that also reads a CTE or derived table only needs the name to exist somewhere."""
     schema = db_schema(db_path)
+    strings = double_quoted_names(sql)  # unknown, SQLite reads these as string literals
     known = set().union(*schema.values()) if schema else set()
     ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
     # names a query defines itself: select aliases and CTE/derived-table column lists
@@ -68,10 +69,8 @@ def unknown_names(tree, db_path: str) -> list[str]:
                     missing.append(f"column {col.sql()}")
                 elif qual not in sources:
                     missing.append(f"table {col.table} (in {col.sql()})")
-            elif name not in visible and name not in own:
-                # SQLite reads an unknown "double-quoted" name as a string literal (Spider's gold SQL relies on it)
-                if not (col.this.quoted and name not in known):
-                    missing.append(f"column {col.name}")
+            elif name not in visible and name not in own and not (name in strings and name not in known):
+                missing.append(f"column {col.name}")
     return list(dict.fromkeys(missing))
 
 
@@ -84,7 +83,7 @@ def classify_failure(example: dict, final_sql: str | None, result=None) -> tuple
         if bare_joins(final_sql) > MAX_BARE_JOINS:
             return "syntax", f"more than {MAX_BARE_JOINS} JOINs without ON/USING: too costly to parse"
         return "syntax", "does not parse as a single SQL query"
-    missing = unknown_names(tree, example["db_path"])
+    missing = unknown_names(final_sql, tree, example["db_path"])
     if missing:
         return "hallucination", ", ".join(missing)
     if result is None:

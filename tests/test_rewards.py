@@ -168,6 +168,9 @@ def quirky_db(tmp_path_factory):
      {"frpm", "schools"}, {"schools.city", "schools.cdscode", "frpm.cdscode", "frpm.charter school (y/n)"}),
     # SQLite reads a double-quoted non-column as a string literal
     ('SELECT CDSCode FROM schools WHERE City = "Fresno"', {"schools"}, {"schools.cdscode", "schools.city"}),
+    # ...but a backticked or bracketed one is always an identifier: SQLite fails on it, it is no string
+    ("SELECT City FROM schools WHERE `Budget` > 5 AND [Rank] < 3", {"schools"},
+     {"schools.city", "schools.budget", "schools.rank"}),
     # hallucinated names stay visible (the schema Jaccard should punish them)
     ("SELECT s.wages FROM schools AS s JOIN frpm AS f ON s.CDSCode = f.CDSCode", {"frpm", "schools"},
      {"schools.wages", "schools.cdscode", "frpm.cdscode"}),

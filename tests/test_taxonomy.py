@@ -23,6 +23,10 @@ import taxonomy
      "ON T1.singer_id = T2.singer_id", "hallucination", "T1.nme"),
     ("SELECT name FROM singer WHERE age > 30", "SELECT concert_name FROM concert", "schema_linking", "concert"),
     ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE age < 30", "semantic", "gold schema"),
+    # a backticked or bracketed name is always a column to SQLite ("no such column"): hallucinated, not syntax
+    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE `nationality` = 'x'", "hallucination",
+     "nationality"),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT [Stage Name] FROM singer", "hallucination", "Stage Name"),
     # SQLite reads "Mars" as a string, not a column: a wrong value, not a hallucinated column
     ("SELECT name FROM singer WHERE country = 'France'", 'SELECT name FROM singer WHERE country = "Mars"',
      "semantic", "gold schema"),
@@ -41,6 +45,6 @@ def test_gold_queries_reference_no_unknown_names(spider_dir):
         db = spider_dir / "database" / r["db_id"] / f"{r['db_id']}.sqlite"
         if db.exists():
             tree = taxonomy.parse_query(r["query"])
-            if tree is None or taxonomy.unknown_names(tree, str(db)):
+            if tree is None or taxonomy.unknown_names(r["query"], tree, str(db)):
                 flagged.append(r["query"])
     assert flagged == []
