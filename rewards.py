@@ -81,15 +81,17 @@ def bare_joins(sql: str) -> int:
     return bare + sum(pending.values())
 
 
-def double_quoted_names(sql: str) -> set:
-    """Names sql writes in double quotes, lower-cased. SQLite reads such a name as a string literal when no column
-    has it (WHERE airline = "JetBlue Airways", which Spider's gold SQL relies on); a `backticked` or [bracketed]
-    name is always an identifier, so an unknown one is an error. sqlglot's tree marks all three alike as quoted."""
+def sqlite_string_names(sql: str, db_path: str) -> set:
+    """Names in sql that SQLite reads as string literals, lower-cased: double-quoted ones no column of the database
+    has (WHERE airline = "JetBlue Airways", which Spider's gold SQL relies on). A `backticked` or [bracketed] name
+    is always an identifier, so an unknown one is an error; sqlglot's tree marks all three alike as quoted."""
     try:
         tokens = sqlglot.tokenize(sql, read="sqlite")
     except SqlglotError:
         return set()
-    return {t.text.lower() for t in tokens if t.token_type == TokenType.IDENTIFIER and sql[t.start] == '"'}
+    known = {c for cols in db_schema(db_path).values() for c in cols}
+    quoted = {t.text.lower() for t in tokens if t.token_type == TokenType.IDENTIFIER and sql[t.start] == '"'}
+    return quoted - known
 
 
 @functools.lru_cache(maxsize=65536)
@@ -97,10 +99,9 @@ def _extract_schema(sql: str, db_path: str) -> tuple[frozenset, frozenset]:
     if bare_joins(sql) > MAX_BARE_JOINS:  # model output: refuse what sqlglot would take hours to parse
         raise ValueError(f"more than {MAX_BARE_JOINS} JOINs without ON/USING: too costly to parse")
     tree = sqlglot.parse_one(sql, read="sqlite")
-    known = {c for cols in db_schema(db_path).values() for c in cols}
-    strings = double_quoted_names(sql)  # an unknown one of these is a string literal to SQLite
+    strings = sqlite_string_names(sql, db_path)
     for col in list(tree.find_all(exp.Column)):
-        if not col.table and col.name.lower() in strings and col.name.lower() not in known:
+        if not col.table and col.name.lower() in strings:
             col.replace(exp.Literal.string(col.name))
     # qualify resolves aliases/CTEs/subqueries against the real schema; `*` stays a star (adds no columns),
     # and columns it cannot resolve (hallucinated) are kept rather than raising

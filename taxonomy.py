@@ -13,7 +13,7 @@ from sqlglot import exp
 from sqlglot.optimizer.scope import traverse_scope
 
 from env import run_sql
-from rewards import MAX_BARE_JOINS, bare_joins, db_schema, double_quoted_names, extract_schema
+from rewards import MAX_BARE_JOINS, bare_joins, db_schema, extract_schema, sqlite_string_names
 
 
 def parse_query(sql: str):
@@ -35,7 +35,7 @@ def unknown_names(sql: str, tree, db_path: str) -> list[str]:
     Columns are resolved per scope against the tables visible there (outer scopes included, for correlated
     subqueries); a scope that also reads a CTE or derived table only needs the name to exist somewhere."""
     schema = db_schema(db_path)
-    strings = double_quoted_names(sql)  # unknown, SQLite reads these as string literals
+    strings = sqlite_string_names(sql, db_path)  # string literals to SQLite, not names
     known = set().union(*schema.values()) if schema else set()
     ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
     # names a query defines itself: select aliases and CTE/derived-table column lists
@@ -69,7 +69,7 @@ def unknown_names(sql: str, tree, db_path: str) -> list[str]:
                     missing.append(f"column {col.sql()}")
                 elif qual not in sources:
                     missing.append(f"table {col.table} (in {col.sql()})")
-            elif name not in visible and name not in own and not (name in strings and name not in known):
+            elif name not in visible and name not in own and name not in strings:
                 missing.append(f"column {col.name}")
     return list(dict.fromkeys(missing))
 
