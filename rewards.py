@@ -46,6 +46,12 @@ def db_schema(db_path: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def db_columns(db_path: str) -> frozenset:
+    """Every column name of the database, lower-cased, whatever its table."""
+    return frozenset(c for cols in db_schema(db_path).values() for c in cols)
+
+
+@functools.lru_cache(maxsize=None)
 def _qualify_schema(db_path: str) -> MappingSchema:
     # what qualify() builds from the dict on every call, built once per database (half the teacher's time with 30+
     # distractor tables); qualify only reads it
@@ -89,9 +95,8 @@ def sqlite_string_names(sql: str, db_path: str) -> set:
         tokens = sqlglot.tokenize(sql, read="sqlite")
     except SqlglotError:
         return set()
-    known = {c for cols in db_schema(db_path).values() for c in cols}
     quoted = {t.text.lower() for t in tokens if t.token_type == TokenType.IDENTIFIER and sql[t.start] == '"'}
-    return quoted - known
+    return quoted - db_columns(db_path)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -13,7 +13,7 @@ from sqlglot import exp
 from sqlglot.optimizer.scope import traverse_scope
 
 from env import run_sql
-from rewards import MAX_BARE_JOINS, bare_joins, db_schema, extract_schema, sqlite_string_names
+from rewards import MAX_BARE_JOINS, bare_joins, db_columns, db_schema, extract_schema, sqlite_string_names
 
 
 def parse_query(sql: str):
@@ -36,7 +36,7 @@ def unknown_names(sql: str, tree, db_path: str) -> list[str]:
     subqueries); a scope that also reads a CTE or derived table only needs the name to exist somewhere."""
     schema = db_schema(db_path)
     strings = sqlite_string_names(sql, db_path)  # string literals to SQLite, not names
-    known = set().union(*schema.values()) if schema else set()
+    known = db_columns(db_path)
     ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
     # names a query defines itself: select aliases and CTE/derived-table column lists
     own = {a.alias.lower() for a in tree.find_all(exp.Alias)}
