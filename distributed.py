@@ -1,7 +1,7 @@
 """
 Ranks: torchrun's world (WORLD_SIZE, RANK, LOCAL_RANK; plain python is a world of one), the model placed for
-training on it (FSDP2 shards or DDP replicas, gradient checkpointing and per-layer compile on a GPU), and the two
-collectives the rest of the code needs.
+training on it (FSDP2 shards or DDP replicas, gradient checkpointing and per-layer compile on a GPU), the reductions
+over ranks the rest of the code needs, and the step that makes a rank's gradient the global one (GRPO's update).
 
     torchrun --nproc_per_node 8 train.py --model Qwen/Qwen3-4B --fsdp      # train.py calls setup_distributed
 """
@@ -71,18 +71,67 @@ def distribute(model, fsdp, world, device, bf16=False, compile=False):
     return wrap
 
 # -----------------------------------------------------------------------------
-# collectives
+# collectives: every function is a no-op in a world of one. Each rank holds whole GRPO groups and divides its loss by
+# the global normaliser, so per-rank losses add up to the single-process loss and the global gradient is their sum.
 
 
-def all_reduce_sum(x):
-    if dist.is_initialized():
-        dist.all_reduce(x)
+def world_size():
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def over_ranks(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """x reduced over ranks (summed by default), as a new tensor: x itself is left as it was."""
+    if world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=op)
     return x
+
+
+def stats_over_ranks(sums: dict, lows: dict, highs: dict, device):
+    """One dict of this rank's statistics over all ranks: sums summed, lows their minimum, highs their maximum."""
+    total = over_ranks(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
+    low = over_ranks(torch.tensor(list(lows.values()), dtype=torch.float64, device=device), dist.ReduceOp.MIN).tolist()
+    high = over_ranks(torch.tensor(list(highs.values()), dtype=torch.float64, device=device), dist.ReduceOp.MAX).tolist()
+    return dict(zip(sums, total)) | dict(zip(lows, low)) | dict(zip(highs, high))
 
 
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
+# -----------------------------------------------------------------------------
+# gradients of a bare or FSDP2-sharded model
+
+
+def is_fsdp(model) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP2 fully_shard'ed parameters
+
+
+def fsdp_fillers(model, passes, device):
+    """How many extra forward passes this rank runs beside its own `passes`: FSDP gathers parameters in every forward,
+    so every rank must run as many as the busiest one."""
+    if not is_fsdp(model):
+        return 0
+    most = int(over_ranks(torch.tensor(max(passes, 1), device=device), dist.ReduceOp.MAX).item())
+    return most - passes
+
+
+def sum_grads_over_ranks(model):
+    """Make every rank's gradient the gradient of the global loss. Each rank's loss is already divided by the global
+    normaliser, so the global gradient is the SUM over ranks (DDP and FSDP would average instead)."""
+    world = world_size()
+    if world == 1:
+        return
+    if is_fsdp(model):  # FSDP2 has reduce-scattered with a mean: undo the 1/world
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(world)
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:  # a rank whose rows were all filtered still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
 def unwrap(model):

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import all_reduce_sum, unwrap
+from distributed import over_ranks, unwrap
 from engine import cache_rows
 from model import AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
@@ -319,8 +319,8 @@ def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
         start += len(examples)
         spider = all(ex.get("source") == "spider" for ex in evalsets[name])
         ok = score(examples, [t.episode.final_sql for t in part], "spider" if spider else "bird")[0] if part else []
-        tot = all_reduce_sum(torch.tensor([sum(ok), sum(t.num_turns for t in part), len(part)],
-                                          dtype=torch.float64)).tolist()
+        tot = over_ranks(torch.tensor([sum(ok), sum(t.num_turns for t in part), len(part)],
+                                      dtype=torch.float64)).tolist()
         correct = {ex["id"]: bool(c) for ex, c in zip(examples, ok)}  # per question: paired comparisons later
         if world > 1:
             gathered = [None] * world

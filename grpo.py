@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
+
+from distributed import fsdp_fillers, is_fsdp, over_ranks, stats_over_ranks, sum_grads_over_ranks
 
 TRUNCATED = ("max_tokens", "context")  # stop reasons that cut a turn mid-generation; max_turns is a real ending
 
@@ -81,7 +82,7 @@ def policy_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="toke
     else:
         raise ValueError(f"unknown agg {agg!r}; use token_mean, seq_mean or dr_grpo")
     if denom is None:
-        denom = _over_ranks(count.detach())
+        denom = over_ranks(count.detach())
     loss = total / torch.as_tensor(denom, dtype=total.dtype).clamp(min=1)
     with torch.no_grad():
         active = mask > 0
@@ -126,7 +127,7 @@ def token_logprobs(model, input_ids, mask, temperature=1.0, with_entropy=False):
     target = mask[:, 1:] > 0  # position t-1 predicts token t
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
-    if hasattr(model, "lm_head") and hasattr(model, "model") and not _is_fsdp(model):  # HF causal LM: body, then head
+    if hasattr(model, "lm_head") and hasattr(model, "model") and not is_fsdp(model):  # HF causal LM: body, then head
         hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1][target]  # (N, D)
         logits = model.lm_head(hidden).float() / temperature  # (N, V)
     else:
@@ -236,7 +237,7 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     else:
         truncated[:] = False
     idx = rows.nonzero().flatten().tolist()
-    counts = _over_ranks(torch.tensor([int((~keep).sum()), int(flat_groups.sum()), int(truncated.sum()), len(idx), N],
+    counts = over_ranks(torch.tensor([int((~keep).sum()), int(flat_groups.sum()), int(truncated.sum()), len(idx), N],
                                     device=device))
     metrics = dict(zip(["filtered_trajectories", "filtered_groups", "masked_truncated", "rows", "trajectories"],
                        counts.tolist()))
@@ -310,13 +311,13 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
                     sums[k] += st[k]
                 lows["ratio_min"] = min(lows["ratio_min"], st["ratio_min"])
                 highs["ratio_max"] = max(highs["ratio_max"], st["ratio_max"])
-            _sync_grads(model)
+            sum_grads_over_ranks(model)
             grad_norm += torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             optimizer.step()
             steps += 1
     model.train(was_training)
 
-    total = _global_stats(sums, lows, highs, device)
+    total = stats_over_ranks(sums, lows, highs, device)
     passes = max(forwarded * cfg.ppo_epochs, 1)  # stats are over forwarded tokens
     per_step = max(steps, 1)
     metrics |= {
@@ -357,7 +358,7 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     # nothing to the gradient: it counts in the normalisers but is never forwarded (in a group of 4 mostly-wrong
     # rollouts, most rows; the advantages are already masked)
     live = mb["loss_mask"].any(1) if cfg.kl_beta > 0 else ((mb["adv_full"] != 0) | (mb["adv_schema"] != 0)).any(1)
-    n_full, n_schema, tokens, schema_tokens, forwarded = _over_ranks(torch.stack([
+    n_full, n_schema, tokens, schema_tokens, forwarded = over_ranks(torch.stack([
         denom(mb["loss_mask"]), denom(mb["schema_mask"]), mb["loss_mask"].sum(), mb["schema_mask"].sum(),
         mb["loss_mask"][live].sum()]).float()).tolist()
     rows = live.nonzero().flatten().tolist()
@@ -369,69 +370,15 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     lengths = [len(trajs[i].token_ids) for i in idx]
     micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
              for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
-    fillers = _fsdp_fillers(model, micro, device)
+    fillers = fsdp_fillers(model, len(micro), device)  # each forwards row 0 with a zero loss
     micro += [(slice(0, 1), slice(None))] * fillers
     return mb | dict(micro=micro, fillers=fillers, rows=len(idx), n_full=n_full, n_schema=n_schema, tokens=tokens,
                      schema_tokens=schema_tokens, forwarded=forwarded)
-
-# -----------------------------------------------------------------------------
-# distributed bookkeeping: the one place that knows about ranks (every function is a no-op in a single process).
-# Each rank holds whole groups; normalisers and metrics are summed over ranks, so per-rank losses add up to the
-# single-process loss, and each rank's gradient is made the global one.
-
-def _world():
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _over_ranks(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if _world() > 1:
-        x = x.clone()
-        dist.all_reduce(x, op=op)
-    return x
-
-
-def _is_fsdp(model) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())  # FSDP2 fully_shard'ed parameters
 
 
 def _placeholder_row(pad_id):
     """What a rank left with no row forwards: one pad token with nothing to learn (FSDP's filler passes need a row)."""
     return SimpleNamespace(token_ids=[pad_id], loss_mask=[0], turn_ids=[-1], sample_logprobs=[0.0])
-
-
-def _fsdp_fillers(model, micro, device):
-    """How many extra micro-batches this rank runs: FSDP gathers parameters in every forward, so every rank must
-    run as many as the busiest one. A filler forwards row 0 with a zero loss."""
-    if not _is_fsdp(model):
-        return 0
-    most = int(_over_ranks(torch.tensor(max(len(micro), 1), device=device), dist.ReduceOp.MAX).item())
-    return most - len(micro)
-
-
-def _global_stats(sums: dict, lows: dict, highs: dict, device):
-    """Sums, minima and maxima of this rank's statistics, over all ranks."""
-    total = _over_ranks(torch.tensor(list(sums.values()), dtype=torch.float64, device=device)).tolist()
-    low = _over_ranks(torch.tensor(list(lows.values()), dtype=torch.float64, device=device), dist.ReduceOp.MIN).tolist()
-    high = _over_ranks(torch.tensor(list(highs.values()), dtype=torch.float64, device=device), dist.ReduceOp.MAX).tolist()
-    return dict(zip(sums, total)) | dict(zip(lows, low)) | dict(zip(highs, high))
-
-
-def _sync_grads(model):
-    """Make every rank's gradient the gradient of the global loss. Each rank's loss is already divided by the
-    global normaliser, so the global gradient is the SUM over ranks (DDP and FSDP would average instead)."""
-    W = _world()
-    if W == 1:
-        return
-    if _is_fsdp(model):  # FSDP2 has reduce-scattered with a mean: undo the 1/W
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(W)
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:  # a rank whose rows were all filtered still joins the all-reduce
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 # -----------------------------------------------------------------------------
 

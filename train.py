@@ -41,7 +41,7 @@ import env
 import protocols
 import rollout
 from data.spider.prepare import spider_sample
-from distributed import all_reduce_sum, barrier, distribute, setup_distributed, shard
+from distributed import barrier, distribute, over_ranks, setup_distributed, shard
 from eval import evaluate_ex, run_agent, trained_settings
 from grpo import GRPOConfig, advantages, group_signal, grpo_step
 from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, latest_checkpoint, load_model, load_trainer_state,
@@ -477,7 +477,7 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
         t0 = time.perf_counter()
         idx = take(len(rows), args.sft_batch_size, args.seed, step * args.sft_batch_size)
         mine = sorted((rows[i] for i in idx[rank::world]), key=lambda r: len(r[0]))  # similar lengths: less padding
-        tokens = all_reduce_sum(torch.tensor(agent_tokens(mine))).item()
+        tokens = over_ranks(torch.tensor(agent_tokens(mine))).item()
         loss_sum = 0.0
         chunks = [mine[i: i + micro] for i in range(0, len(mine), micro)]  # global normaliser: split-invariant
         for j, chunk in enumerate(chunks):
@@ -492,7 +492,7 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        loss_all = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64)).item()
+        loss_all = over_ranks(torch.tensor(loss_sum, dtype=torch.float64)).item()
         state["step"] = step + 1
         state["gstep"] += 1
         release_freed_memory()

@@ -316,7 +316,7 @@ DDP_SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import train
-from distributed import all_reduce_sum
+from distributed import over_ranks
 from model import load_model
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -333,7 +333,7 @@ if rank == 0:  # one process over the whole batch: a copy of the same weights, n
     train.AgentTokenLoss(alone)(ids, mask, train.agent_tokens(rows), 1).backward()
     torch.save({n: p.grad for n, p in alone.named_parameters()}, sys.argv[2] + "/grad1.pt")
 mine = rows[rank::world]
-tokens = all_reduce_sum(torch.tensor(train.agent_tokens(mine))).item()
+tokens = over_ranks(torch.tensor(train.agent_tokens(mine))).item()
 loss_fn = train.AgentTokenLoss(model)
 wrapped = torch.nn.parallel.DistributedDataParallel(loss_fn)
 ids, mask = train.pad_batch(mine, tok.pad_token_id, "cpu")
