@@ -321,6 +321,11 @@ def take(n, batch_size, seed, position):
     return out
 
 
+def rl_batch(n, args, step):
+    """The pool indices of RL's prompts at this step, all ranks' (rank r takes [r::world]), from a pool of n."""
+    return take(n, args.rl_batch_size, args.seed + 1, step * args.rl_batch_size)
+
+
 def make_optimizer(model, lr, steps, args):
     """AdamW (betas 0.9/0.95, SQL-Trail A.5) with linear warmup then cosine decay."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
@@ -377,26 +382,45 @@ def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_s
 def difficulty_filter(policy, tokenizer, examples, args, rank, world):
     """Pass rate of each candidate over --filter-k rollouts of the current policy (each rank one continuous batch of
     a strided share; rates gathered so every rank holds the same pool), then the recipe's rule (select_rl_pool).
-    Returns the pool and this rank's share of RL's first batch: the kept groups ranked by S(q), which are on-policy
-    groups of the same sampler, so when --filter-k equals --group-size they need not be rolled out again."""
+    Returns the pool and this rank's share of RL's first batch: each rank's kept groups ranked by S(q), which are
+    on-policy groups of the same sampler, so when --filter-k equals --group-size they need not be rolled out again.
+    The pool comes in the order that makes RL's data order open with that batch (rl_order)."""
     mine = examples[rank::world]
     k = args.filter_k
     rates, trajs, rewards = pass_rates(policy, tokenizer, mine, REWARDS[args.reward], rank, world, k,
                                        batch_size=args.eval_batch_size, seed=args.seed * 7919 + rank,
                                        protocol=args.protocol, **rollout_kwargs(args, group_size=k))
     pool = select_rl_pool(examples, rates, args)
-    kept = {ex["id"] for ex in pool}
-    groups = {ex["id"]: range(i * k, (i + 1) * k) for i, ex in enumerate(mine) if ex["id"] in kept}
-    first = sorted(groups, key=lambda q: difficulty_score(rates[q]))[: args.rl_batch_size // world]
-    warm = ([trajs[j] for q in first for j in groups[q]], [rewards[j] for q in first for j in groups[q]])
     rule = (f"S(q) top {args.filter_top_n} + {args.filter_unsolved_n} unsolved" if args.filter_top_n else
             f"pass rate < {args.filter_pass_rate}")
     if rank == 0:
         print(f"difficulty filter: kept {len(pool)}/{len(examples)} by {rule} over {args.filter_k} rollouts")
     if not pool:
         raise ValueError("the difficulty filter kept no question: raise --filter-pass-rate or --filter-top-n")
-    whole = len(first) == args.rl_batch_size // world  # else RL's first batch would be smaller than the others
-    return pool, warm if whole and k == args.group_size and not args.adaptive_turns else None  # else not RL's sample
+    kept = {ex["id"] for ex in pool}
+    share = args.rl_batch_size // world
+    firsts = [sorted([ex["id"] for ex in examples[r::world] if ex["id"] in kept],
+                     key=lambda q: difficulty_score(rates[q]))[:share] for r in range(world)]  # every rank's
+    if any(len(f) < share for f in firsts) or k != args.group_size or args.adaptive_turns:
+        return pool, None  # not the batch RL would sample: RL rolls out its own
+    first = [firsts[p % world][p // world] for p in range(args.rl_batch_size)]  # rank r's share is first[r::world]
+    groups = {ex["id"]: range(i * k, (i + 1) * k) for i, ex in enumerate(mine)}
+    first_rows = [j for q in firsts[rank] for j in groups[q]]
+    warm = ([trajs[j] for j in first_rows], [rewards[j] for j in first_rows])
+    return rl_order(pool, first, args), warm
+
+
+def rl_order(pool, first, args):
+    """The pool rearranged so that RL's data order (rl_batch) visits the questions of `first` (ids) at its first
+    positions and the others after them in their pool order: RL's first step is then the batch the filter already
+    rolled out, and its first epoch still visits every question once."""
+    by_id = {ex["id"]: ex for ex in pool}
+    slots = [None] * len(pool)
+    for i, q in zip(rl_batch(len(pool), args, 0), first):
+        slots[i] = by_id[q]
+    chosen = set(first)
+    rest = iter(ex for ex in pool if ex["id"] not in chosen)
+    return [ex if ex is not None else next(rest) for ex in slots]
 
 
 def select_rl_pool(examples, rates, args):
@@ -575,7 +599,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
     bar = tqdm(range(state["step"], args.rl_steps), desc="rl", disable=rank != 0, initial=state["step"],
                total=args.rl_steps)
     for step in bar:
-        idx = take(len(pool), args.rl_batch_size, args.seed + 1, step * args.rl_batch_size)
+        idx = rl_batch(len(pool), args, step)
         mine = [pool[i] for i in idx[rank::world]]  # whole groups stay on one rank
         t0 = time.perf_counter()
         if step == 0 and warm is not None:

@@ -454,13 +454,42 @@ def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
         return float(ex["id"] in (1, 4) and t.k == 0 or ex["id"] == 2)
     monkeypatch.setitem(train.REWARDS, "fake", lambda t, ex: {"full": solved(t, ex), "correct": solved(t, ex)})
     args = train.get_args(["--model", "tiny", "--reward", "fake", "--filter-k", "2", "--group-size", "2",
-                           "--filter-top-n", "3", "--rl-batch-size", "2"])
+                           "--filter-top-n", "3", "--rl-batch-size", "2", "--seed", "1"])
     pool, (trajs, rewards) = train.difficulty_filter(None, None, [{"id": i} for i in range(6)], args, 0, 1)
     assert calls == [list(range(6))]  # one rollout of every candidate, none again for RL
-    assert [ex["id"] for ex in pool] == [0, 1, 4]  # S(q) ranks 1, 4, then the first tie
+    assert sorted(ex["id"] for ex in pool) == [0, 1, 4]  # S(q) ranks 1, 4, then the first tie
     assert [t.example["id"] for t in trajs] == [1, 1, 4, 4] and [r["full"] for r in rewards] == [1, 0, 1, 0]
+    assert [pool[i]["id"] for i in train.rl_batch(len(pool), args, 0)] == [1, 4]  # RL's own first step reads them
     args.group_size = 4  # groups of another size are not the batch RL would sample
     assert train.difficulty_filter(None, None, [{"id": i} for i in range(6)], args, 0, 1)[1] is None
+
+
+def test_on_two_ranks_each_ranks_filter_groups_are_its_share_of_rls_first_step(monkeypatch):
+    # rank r rolled out candidates r, r + 2, ...; each keeps its own groups, and RL's first step hands them back to it
+    rates = {i: [0.5, 0.0, 0.75, 0.25, 0.5, 1.0, 0.25, 0.5][i] for i in range(8)}
+
+    def fake_pass_rates(model, tokenizer, mine, reward_fn, rank, world, k, **kw):
+        trajs = [SimpleNamespace(example=ex) for ex in mine for _ in range(k)]
+        return rates, trajs, [{"full": 0.0}] * len(trajs)
+    monkeypatch.setattr(train, "pass_rates", fake_pass_rates)
+    args = train.get_args(["--model", "tiny", "--filter-k", "2", "--group-size", "2", "--filter-top-n", "6",
+                           "--rl-batch-size", "4"])
+    out = [train.difficulty_filter(None, None, [{"id": i} for i in range(8)], args, rank, 2) for rank in (0, 1)]
+    assert [ex["id"] for ex in out[0][0]] == [ex["id"] for ex in out[1][0]]  # one pool order on every rank
+    pool = out[0][0]
+    first_step = [pool[i]["id"] for i in train.rl_batch(len(pool), args, 0)]
+    for rank, (_, (trajs, _)) in enumerate(out):
+        assert [t.example["id"] for t in trajs[::2]] == first_step[rank::2]
+    assert sorted(first_step) == [0, 3, 6, 7]  # each rank's two lowest S(q): 6, then 0 before 4 (a tie); 3, 7
+
+
+def test_rls_first_epoch_after_the_filters_batch_visits_every_kept_question_once():
+    # the filter's batch (3 of 12 questions) opens RL's data order; steps 2-4 then read the other nine, none twice
+    args = train.get_args(["--model", "tiny", "--rl-batch-size", "3", "--seed", "5"])
+    pool = train.rl_order([{"id": f"q{i}"} for i in range(12)], ["q7", "q2", "q9"], args)
+    steps = [[pool[i]["id"] for i in train.rl_batch(len(pool), args, step)] for step in range(4)]
+    assert steps[0] == ["q7", "q2", "q9"]
+    assert sorted(q for batch in steps for q in batch) == sorted(f"q{i}" for i in range(12))
 
 
 def test_a_run_with_the_filter_rolls_out_once_less(tmp_path, monkeypatch):
