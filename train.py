@@ -412,8 +412,8 @@ def difficulty_filter(policy, tokenizer, examples, args, rank, world):
 
 def rl_order(pool, first, args):
     """The pool rearranged so that RL's data order (rl_batch) visits the questions of `first` (ids) at its first
-    positions and the others after them in their pool order: RL's first step is then the batch the filter already
-    rolled out, and its first epoch still visits every question once."""
+    positions; the others fill the remaining places in their pool order. RL's first step is then the batch the filter
+    already rolled out, and its first epoch still visits every question once."""
     by_id = {ex["id"]: ex for ex in pool}
     slots = [None] * len(pool)
     for i, q in zip(rl_batch(len(pool), args, 0), first):
