@@ -92,12 +92,12 @@ RECIPES = {
 }
 # --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
 # paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and answers. RL sees only
-# questions SFT sometimes solves (S(q) over 4 rollouts of 48; docs/experiments.md): 12 of them, 4 per GRPO step, six
-# steps. One sequence per forward + backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
+# questions SFT sometimes solves (S(q) over 4 rollouts of 96; docs/experiments.md): 48 of them, 8 per GRPO step, six
+# steps, each once. One sequence per forward + backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=6, rl_batch_size=4, ppo_mini_batches=1,
-            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=48, filter_top_n=12,
+            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=6, rl_batch_size=8, ppo_mini_batches=1,
+            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=96, filter_top_n=48,
             filter_unsolved_n=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
@@ -256,7 +256,10 @@ def presets(first):
     --quick. A train.py checkpoint as --model brings the prompt variant and limits it was trained in."""
     out = [(f"recipe {first.recipe}", RECIPES[first.recipe])]
     if first.model == "smollm2" and not first.quick:  # --quick is a preset of its own, not a smaller demo
-        out.append(("demo", DEMO))
+        # under the trust recipe the demo's six steps learn from SkyRL's -1 / 0 / 1 reward, not from TRUST's reward and
+        # schema track (docs/experiments.md); another recipe keeps its paper's reward
+        reward = {"reward": "skyrl"} if first.recipe == "trust" else {}
+        out.append(("demo", DEMO | reward))
     out.append(("checkpoint", trained_settings(first.model)))
     if first.quick:
         out.append(("quick", QUICK))

@@ -49,6 +49,15 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
     assert (quick.rl_batch_size, quick.ppo_mini_batches, quick.sft_steps) == (2, 1, 2)
 
 
+def test_the_demo_takes_skyrls_reward_under_the_trust_recipe_and_no_other():
+    demo = train.get_args([])  # smollm2 and the trust recipe: the demo's reward, its sizes
+    assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 96, 48, 8)
+    assert train.get_args(["--recipe", "trail"]).reward == "trail"  # the demo's sizes, the paper's reward
+    assert train.get_args(["--model", "tiny"]).reward == "trust"  # no demo: the recipe's reward
+    assert train.get_args(["--reward", "trust"]).reward == "trust"  # explicit beats the demo
+    assert train.setting_sources([])["reward"] == "demo"  # the printed config says where it came from
+
+
 def test_training_length_in_the_papers_units_and_steps_from_above_win():
     trust = train.get_args(["--model", "tiny"])  # Table 8: SFT 2 epochs, RL 3 epochs
     assert (trust.sft_epochs, trust.rl_epochs, trust.ppo_mini_batches) == (2, 3, 4)
