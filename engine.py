@@ -153,9 +153,9 @@ class SlotCache:
         self.lens = [self.lens[i] for i in index]
 
 
-def rows_that_fit(rows, bytes_per_row, free_bytes):
-    """How many rows' KV cache fit in free_bytes, keeping CACHE_HEADROOM for everything else (at most `rows`)."""
-    return max(0, min(rows, int((free_bytes - CACHE_HEADROOM) // bytes_per_row)))
+def rows_that_fit(rows, bytes_per_row, free_bytes, reserve=CACHE_HEADROOM):
+    """How many rows' KV cache fit in free_bytes, keeping `reserve` bytes for everything else (at most `rows`)."""
+    return max(0, min(rows, int((free_bytes - reserve) // bytes_per_row)))
 
 
 def kv_bytes_per_row(config, limit, dtype):
@@ -177,26 +177,29 @@ def free_memory(device):
     return None
 
 
-def cache_rows(model, rows, device, dtype, limit, budget=None):
-    """Rows decoded at once: all of them, unless fewer full-length rows fit in the free memory (GPU; or the host's,
-    given a budget) or in `budget` bytes, which is then said on one line. A GPU cache is allocated whole, at rows x
-    (limit + 1) slots, since growing it would move the buffers a captured graph reads; a CPU cache commits pages as
-    rows grow, so without a budget it is not sized at all. Raises ValueError when not even one row fits."""
+def cache_rows(model, rows, device, dtype, limit, budget=None, reserve=CACHE_HEADROOM):
+    """Rows decoded at once: all of them, unless fewer full-length rows fit in the free memory less `reserve` (GPU; or
+    the host's, given a budget) or in `budget` bytes, which is then said on one line. A GPU cache is allocated whole,
+    at rows x (limit + 1) slots, since growing it would move the buffers a captured graph reads; a CPU cache commits
+    pages as rows grow, so without a budget it is not sized at all. Raises ValueError when not even one row fits."""
     device = torch.device(device)
     if device.type != "cuda" and budget is None:
         return rows
     per_row = kv_bytes_per_row(model.config, limit, dtype)
     free = free_memory(device)
-    fit = rows if free is None else rows_that_fit(rows, per_row, free)
+    fit = rows if free is None else rows_that_fit(rows, per_row, free, reserve)
     if budget is not None:
         fit = min(fit, int(budget // per_row))
     need = f"{rows} rows x {limit + 1:,} KV slots need {rows * per_row / 1e9:.1f} GB"
-    room = f"{free / 1e9:.1f} GB free" if free is not None else "free memory unknown"
+    room = "free memory unknown"
+    if free is not None:
+        room = f"{free / 1e9:.1f} GB free, {reserve / 1e9:.1f} GB of it kept beside the cache"
     if budget is not None:
         room += f", a {budget / 2 ** 30:g} GiB budget"
     if fit == 0:
+        short_budget = budget is not None and budget < per_row
         raise ValueError(f"one row of {limit + 1:,} KV slots needs {per_row / 1e9:.2f} GB ({room}): lower "
-                         f"--max-total-tokens{' or raise --kv-cache-gb' if budget is not None else ''}")
+                         f"--max-total-tokens or {'raise --kv-cache-gb' if short_budget else 'free some memory'}")
     if fit < rows:
         say_once(f"rollout: {need} ({room}): decoding {fit} rows at once")
     return fit

@@ -452,6 +452,35 @@ def return_memory_on_free():
         pass
 
 
+def training_bytes(model, args, bf16):
+    """About what training adds to a CPU process that has just loaded the model: the fp32 weights (paged in as they
+    are used), their gradients and AdamW's two moments (16 bytes a parameter; under bf16 4 more, for the decode copy
+    and autocast's copies), and for each sequence of a micro-batch what backward keeps: per token 75 bytes a layer and
+    hidden unit in fp32, 110 in bf16 with what glibc's heaps hold on to, and per trained token 20 bytes a vocabulary
+    entry for the logits (measured: docs/training.md#memory)."""
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    tokens = args.max_total_tokens
+    trained = min(tokens, args.max_turns * args.max_new_tokens)  # the agent's own tokens, at most
+    per_row = tokens * cfg.num_hidden_layers * cfg.hidden_size * (110 if bf16 else 75) + trained * 20 * cfg.vocab_size
+    return params * (20 if bf16 else 16) + micro_batch_rows(args) * per_row
+
+
+def micro_batch_rows(args):
+    """Sequences in one forward and backward, SFT's or RL's, whichever is more."""
+    return args.micro_batch_size or max(args.sft_batch_size, args.rl_batch_size * args.group_size)
+
+
+def check_training_memory(model, args, bf16, device):
+    """Stop before any work, not midway, where the machine's available memory cannot hold training (CPU runs)."""
+    free = engine.free_memory(torch.device(device))
+    need = training_bytes(model, args, bf16)
+    if free is not None and free < need:
+        raise cli.UserError(f"training needs about {need / 1e9:.1f} GB more than the loaded model holds (micro-batches "
+                            f"of {micro_batch_rows(args)} x {args.max_total_tokens:,} tokens) and {free / 1e9:.1f} GB "
+                            "is available: close other programs, or lower --max-total-tokens or --micro-batch-size")
+
+
 def release_freed_memory():
     """Hand the heaps' free pages back to the OS (glibc; elsewhere a no-op): what training freed, before decoding."""
     try:
@@ -717,11 +746,19 @@ def main(argv=None):
         model, tokenizer = load_model(model_path, device=device, seed=args.seed)  # resolved once, above
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise cli.UserError(e) from None
-    # --- the rows decoded at once: --eval-batch-size, or as many as the KV cache's memory holds (said on one line)
+    # --- memory: training's peak fits, or stop here; the rows decoded at once: --eval-batch-size, or as many as the KV
+    # cache's memory holds beside what stays while decoding, the weights, AdamW's moments and the decode copy (said
+    # on one line)
     kv_dtype = TORCH_DTYPES[args.dtype]
-    budget = args.kv_cache_gb * 2 ** 30 if torch.device(device).type == "cpu" else None
+    bf16 = args.dtype == "bf16"
+    budget = None
+    reserve = engine.CACHE_HEADROOM
+    if torch.device(device).type == "cpu":
+        check_training_memory(model, args, bf16, device)
+        budget = args.kv_cache_gb * 2 ** 30
+        reserve += sum(p.numel() for p in model.parameters()) * (14 if bf16 else 12)
     try:
-        rows = engine.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget)
+        rows = engine.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
     except ValueError as e:
         raise cli.UserError(e) from None
     if rows < args.eval_batch_size:

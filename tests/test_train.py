@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cli
+import engine
 import grpo
 import train
 from data.spider.prepare import spider_sample
@@ -80,6 +81,31 @@ def test_a_kv_budget_too_small_for_one_row_stops_before_any_work(tmp_path):
     with pytest.raises(cli.UserError, match="--kv-cache-gb"):
         train.main(QUICK + ["--kv-cache-gb", "1e-6", "--out-dir", str(tmp_path)])
     assert not (tmp_path / "quick").exists()  # no teacher data, no config.json: nothing ran
+
+
+def test_training_must_fit_the_free_memory_and_the_kv_cache_takes_what_is_left(tmp_path, monkeypatch):
+    argv = QUICK + ["--dtype", "fp32", "--out-dir", str(tmp_path)]
+    args = train.get_args(argv)
+    model = load_model("tiny")[0]
+    need = train.training_bytes(model, args, bf16=False)
+    held = sum(p.numel() for p in model.parameters()) * 12 + engine.CACHE_HEADROOM  # weights, AdamW, prefill
+    per_row = engine.kv_bytes_per_row(model.config, args.max_total_tokens, torch.float32)
+    free = {"bytes": need - 1}
+    monkeypatch.setattr(engine, "free_memory", lambda device: free["bytes"])
+    with pytest.raises(cli.UserError, match="training needs about .* --micro-batch-size"):
+        train.main(argv)
+    assert not (tmp_path / "quick").exists()  # stopped before the teacher data: nothing ran
+
+    seen = {}
+
+    def stop(args, *a, **k):
+        seen["rows"] = args.eval_batch_size
+        raise Killed
+    monkeypatch.setattr(train, "run", stop)
+    free["bytes"] = max(need, held + 3.5 * per_row)
+    with pytest.raises(Killed):
+        train.main(argv)
+    assert seen["rows"] == 3  # three rows beside the optimizer's moments, where the KV budget alone holds 64
 
 
 def test_every_preset_key_is_a_flag():
