@@ -466,6 +466,12 @@ def training_bytes(model, args, bf16):
     return params * (20 if bf16 else 16) + micro_batch_rows(args) * per_row
 
 
+def decoding_bytes(model, bf16):
+    """What stays beside the KV cache while a CPU run decodes: the fp32 weights and AdamW's two moments (12 bytes a
+    parameter; 2 more for the bf16 decode copy), and the engine's headroom for prefill."""
+    return sum(p.numel() for p in model.parameters()) * (14 if bf16 else 12) + engine.CACHE_HEADROOM
+
+
 def micro_batch_rows(args):
     """Sequences in one forward and backward, SFT's or RL's, whichever is more."""
     return args.micro_batch_size or max(args.sft_batch_size, args.rl_batch_size * args.group_size)
@@ -756,7 +762,7 @@ def main(argv=None):
     if torch.device(device).type == "cpu":
         check_training_memory(model, args, bf16, device)
         budget = args.kv_cache_gb * 2 ** 30
-        reserve += sum(p.numel() for p in model.parameters()) * (14 if bf16 else 12)
+        reserve = decoding_bytes(model, bf16)
     try:
         rows = engine.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
     except ValueError as e:
