@@ -164,17 +164,77 @@ def kv_bytes_per_row(config, limit, dtype):
 
 
 def free_memory(device):
-    """Bytes this process can still take: a GPU's free memory, or the host's MemAvailable (None where unknown)."""
+    """Bytes this process can still take: a GPU's free memory, or the host's MemAvailable, lowered to what the memory
+    cgroups this process runs in still allow (a container's limit); None where unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    host = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    limited = cgroup_room()
+    if host is None or limited is None:
+        return host if limited is None else limited
+    return min(host, limited)
+
+
+# cgroup v2 and v1 name the same three numbers differently: the limit, the usage, and the reclaimable page cache
+CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def cgroup_room(proc_cgroup="/proc/self/cgroup", mount="/sys/fs/cgroup"):
+    """The least room left under any memory limit on this process's cgroup or its ancestors: limit - usage + the
+    inactive page cache the kernel reclaims before it kills (None: no limit, or no cgroups to read)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # the unified hierarchy, mounted on its own or beside v1's as "unified"
+            version = "v2"
+            root = mount if os.path.exists(f"{mount}/cgroup.controllers") else f"{mount}/unified"
+        elif "memory" in controllers.split(","):
+            version = "v1"
+            root = f"{mount}/memory"
+        else:
+            continue
+        if not os.path.isdir(root):
+            continue
+        here = os.path.normpath(root + path)
+        if not os.path.isdir(here):  # a container without its own cgroup namespace sees its cgroup as the root
+            here = root
+        while True:
+            room = _cgroup_dir_room(here, *CGROUP_FILES[version])
+            if room is not None:
+                rooms.append(room)
+            if here == root:
+                break
+            here = os.path.dirname(here)
+    return min(rooms) if rooms else None
+
+
+def _cgroup_dir_room(folder, limit_file, usage_file, cache_key):
+    """limit - usage + inactive page cache of one cgroup folder; None without a limit (v2's "max", v1's near 2**63)."""
+    try:
+        with open(f"{folder}/{limit_file}") as f:
+            limit = f.read().strip()
+        with open(f"{folder}/{usage_file}") as f:
+            usage = int(f.read())
+        with open(f"{folder}/memory.stat") as f:
+            stat = dict(line.split() for line in f if line.strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 2 ** 60:
+        return None
+    return int(limit) - usage + int(stat.get(cache_key, 0))
 
 
 def cache_rows(model, rows, device, dtype, limit, budget=None, reserve=CACHE_HEADROOM):

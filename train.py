@@ -482,9 +482,12 @@ def check_training_memory(model, args, bf16, device):
     free = engine.free_memory(torch.device(device))
     need = training_bytes(model, args, bf16)
     if free is not None and free < need:
+        cgroup = engine.cgroup_room()
+        limited = cgroup is not None and cgroup <= free  # a container or batch job's limit, not other programs
+        fix = "raise the memory limit of this process's cgroup" if limited else "close other programs"
         raise cli.UserError(f"training needs about {need / 1e9:.1f} GB more than the loaded model holds (micro-batches "
                             f"of {micro_batch_rows(args)} x {args.max_total_tokens:,} tokens) and {free / 1e9:.1f} GB "
-                            "is available: close other programs, or lower --max-total-tokens or --micro-batch-size")
+                            f"is available: {fix}, or lower --max-total-tokens or --micro-batch-size")
 
 
 def release_freed_memory():
