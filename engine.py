@@ -176,10 +176,8 @@ def free_memory(device):
                     host = int(line.split()[1]) * 1024
     except OSError:
         pass
-    limited = cgroup_room()
-    if host is None or limited is None:
-        return host if limited is None else limited
-    return min(host, limited)
+    known = [room for room in (host, cgroup_room()) if room is not None]
+    return min(known) if known else None
 
 
 # cgroup v2 and v1 name the same three numbers differently: the limit, the usage, and the reclaimable page cache
@@ -197,6 +195,8 @@ def cgroup_room(proc_cgroup="/proc/self/cgroup", mount="/sys/fs/cgroup"):
         return None
     rooms = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # the unified hierarchy, mounted on its own or beside v1's as "unified"
             version = "v2"
