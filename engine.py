@@ -19,7 +19,8 @@ as a CUDA graph), and sampling. rollout.py drives it turn by turn.
   Elsewhere SDPA with a mask built from the positions. On the CPU, which has no graphs to replay, rows are sorted by
   length, each range of RANGE_ROWS rows reads keys only up to its longest row, and the query heads that share a key
   head attend as that head's queries, so each key is read once.
-- Sampling: temperature + top-p with a seeded torch.Generator, greedy at temperature 0; the recorded log-prob is
+- Sampling: temperature + top-p, greedy at temperature 0, by inverse CDF at a uniform that hashes (seed, the row's
+  trajectory, the token's position), so no row's draw depends on its neighbours; the recorded log-prob is
   log_softmax(logits / T) over the full vocabulary, what a trainer recomputes.
 """
 import math
@@ -29,6 +30,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
@@ -557,25 +559,47 @@ def check_replay(model, cache, decoder, rows, live):
 # Sampling
 
 
-def draw(probs, generator):
-    """One index per row with probability probs / probs.sum() (rows need not be normalised): inverse CDF with one
-    uniform per row, where torch.multinomial draws one exponential per vocabulary entry (docs/rollout.md)."""
+SPLITMIX = [np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)]
+
+
+def splitmix64(x):
+    """SplitMix64's output function on a uint64 array (wrapping arithmetic): nearby inputs, far-apart outputs."""
+    z = x + SPLITMIX[0]
+    z = (z ^ (z >> np.uint64(30))) * SPLITMIX[1]
+    z = (z ^ (z >> np.uint64(27))) * SPLITMIX[2]
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seed, keys, positions, device="cpu"):
+    """(A, 1) fp32 uniforms in [0, 1), one per row, a hash of (seed, the row's key, its position) alone: a trajectory
+    (key) draws the same number for its token at a position whatever rows decode beside it, in whatever order, so
+    the rows a machine decodes at once do not change what is sampled. 24 bits: exact in fp32 and below 1."""
+    keys = np.asarray(keys, dtype=np.int64).astype(np.uint64)
+    positions = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    h = splitmix64(splitmix64(splitmix64(np.full(keys.shape, seed % 2 ** 64, dtype=np.uint64)) ^ keys) ^ positions)
+    u = (h >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    return torch.from_numpy(u)[:, None].to(device)
+
+
+def draw(probs, u):
+    """One index per row with probability probs / probs.sum() (rows need not be normalised), by inverse CDF at the
+    row's uniform u (A, 1), where torch.multinomial draws one exponential per vocabulary entry (docs/rollout.md)."""
     cdf = probs.cumsum(dim=-1)
     cdf = cdf / cdf[:, -1:]  # (A, V), last entry exactly 1.0 > any u in [0, 1)
-    u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=cdf.dtype)
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)  # first cdf > u: zero-probability entries never win
+    return torch.searchsorted(cdf, u.to(cdf.dtype), right=True).squeeze(1)  # first cdf > u: zeros never win
 
 
-def sample(logits, temperature, top_p, generator):
-    """logits (A, V) -> tokens (A,), logp (A, V) = the log-probs recorded for whichever token a row ends up with."""
+def sample(logits, temperature, top_p, u):
+    """logits (A, V) -> tokens (A,), logp (A, V) = the log-probs recorded for whichever token a row ends up with.
+    u: (A, 1) uniforms (engine.uniforms), unused at temperature 0."""
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         return logp.argmax(dim=-1), logp
     logp = torch.log_softmax(logits / temperature, dim=-1)
     probs = logp.exp()
     if top_p >= 1.0:
-        return draw(probs, generator), logp
+        return draw(probs, u), logp
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # mass before this token already reaches top_p
-    pick = draw(sorted_probs.masked_fill(outside, 0.0), generator)  # draw() renormalises the nucleus
+    pick = draw(sorted_probs.masked_fill(outside, 0.0), u)  # draw() renormalises the nucleus
     return order.gather(1, pick[:, None]).squeeze(1), logp

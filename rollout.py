@@ -159,7 +159,6 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     proto = protocols.get(protocol)
     bits = chat_bits(tokenizer, model, proto)
     param = next(model.parameters())
-    generator = torch.Generator(device=param.device).manual_seed(seed)
 
     # --- one row per (example, sample); prompts too long for the context end at once, never cut from the left
     rows = []
@@ -224,7 +223,11 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             engine.prefill(model, cache, {i: rows[r].feed for i, r in live}, pad)
             feeds = [None if r is None else rows[r].feed[-1] for r in active]
             logits = engine.decode(model, cache, decoder, feeds, pad)
-            tokens, logp = engine.sample(logits, temperature, top_p, generator)  # (A,), (A, V)
+            u = None
+            if temperature > 0:  # row r's token at position n draws hash(seed, r, n): its own, whatever its neighbours
+                u = engine.uniforms(seed, [-1 if r is None else r for r in active],
+                                    [0 if r is None else len(rows[r].traj.token_ids) for r in active], param.device)
+            tokens, logp = engine.sample(logits, temperature, top_p, u)  # (A,), (A, V)
             tokens = tokens.tolist()
             if force is not None:
                 for i, r in live:

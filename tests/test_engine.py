@@ -9,6 +9,7 @@ import torch
 import bench
 import engine
 from golden_rollouts import FAMILIES, GOLDEN, family_model, golden_rollout
+from model import load_model
 from test_rollout import replay_logprobs, run, trust_answer, trust_call
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -243,23 +244,52 @@ def test_length_ranges_and_sorted_slots_decode_as_one_range_does(tiny, examples,
 
 def test_sample_greedy_temperature_and_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]] * 200)
-    tokens, logp = engine.sample(logits, 0.0, 1.0, torch.Generator().manual_seed(0))
+    u = engine.uniforms(0, range(200), [0] * 200)
+    tokens, logp = engine.sample(logits, 0.0, 1.0, None)  # greedy needs no uniforms
     assert (tokens == 0).all() and torch.allclose(logp, torch.log_softmax(logits, -1))
-    tokens, logp = engine.sample(logits, 0.5, 1.0, torch.Generator().manual_seed(0))
+    tokens, logp = engine.sample(logits, 0.5, 1.0, u)
     assert torch.allclose(logp, torch.log_softmax(logits / 0.5, -1))  # full-vocab tempered log-probs are recorded
     assert set(tokens.tolist()) >= {0, 1}
     # at T = 1 the probabilities are .61 .22 .14 .03: the 0.7-nucleus is {0, 1}, so 2 and 3 are never drawn
-    tokens, _ = engine.sample(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    tokens, _ = engine.sample(logits, 1.0, 0.7, u)
     assert set(tokens.tolist()) == {0, 1}
 
 
 def test_draw_matches_the_distribution_and_never_picks_a_zero():
-    """Inverse-CDF sampling: frequencies follow probs (unnormalised rows are fine), zero entries are never drawn."""
+    """Inverse-CDF sampling at hashed uniforms: frequencies follow probs (unnormalised rows are fine), zero entries
+    are never drawn, and the same seed draws the same tokens."""
     probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 2.0, 0.0, 2.0]]).repeat(20000, 1)  # (40000, 4)
-    tokens = engine.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
+    u = engine.uniforms(0, range(40000), [3] * 40000)
+    tokens = engine.draw(probs, u).reshape(-1, 2)
     freq_a = torch.bincount(tokens[:, 0], minlength=4) / len(tokens)
     freq_b = torch.bincount(tokens[:, 1], minlength=4) / len(tokens)
     assert torch.allclose(freq_a, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.015) and freq_a[1] == 0
     assert torch.allclose(freq_b, torch.tensor([0.0, 0.5, 0.0, 0.5]), atol=0.015) and freq_b[0] == freq_b[2] == 0
-    again = engine.draw(probs, torch.Generator().manual_seed(0)).reshape(-1, 2)
+    again = engine.draw(probs, engine.uniforms(0, range(40000), [3] * 40000)).reshape(-1, 2)
     assert torch.equal(tokens, again)  # seeded
+
+
+def test_a_rows_uniform_is_a_hash_of_its_seed_trajectory_and_position():
+    # trajectory 9's token at position 3 draws one number, alone or beside others, first or last
+    u = engine.uniforms(0, [5, 9], [10, 3])
+    assert engine.uniforms(0, [9], [3])[0] == u[1] and engine.uniforms(0, [9, 5], [3, 10])[1] == u[0]
+    assert engine.uniforms(1, [9], [3])[0] != u[1]  # another seed, another draw
+    # along one trajectory's positions and across trajectories they look uniform: mean 1/2, sd 1/sqrt(12), in [0, 1)
+    for keys, positions in ((range(50000), [0] * 50000), ([7] * 50000, range(50000))):
+        x = engine.uniforms(0, keys, positions).flatten()
+        assert abs(x.mean() - 0.5) < 0.005 and abs(x.std() - 12 ** -0.5) < 0.005 and 0 <= x.min() and x.max() < 1
+
+
+def test_the_rows_decoded_at_once_do_not_change_what_is_sampled(examples):
+    """A machine with less memory decodes fewer rows at once, yet each row draws its own numbers, so the same seed
+    samples the same trajectories (before, one generator's draws went to the rows in step order). The tiny random
+    model runs in float64: its next-token distributions are nearly flat, and in fp32 a product's rounding, which
+    moves with its rows, would flip some draws."""
+    model, tokenizer = load_model("tiny", seed=0)
+    model.double()
+    scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 12] for r in range(6)}  # then 12 sampled tokens
+    runs = [run((model, tokenizer), examples[:3], scripts, group_size=2, temperature=1.0, top_p=0.95, max_turns=2,
+                seed=3, max_rows=rows) for rows in (6, 4, 1)]
+    sampled = [[t.token_ids for t in trajs] for trajs in runs]
+    assert sampled[0] == sampled[1] == sampled[2]
+    assert len({tuple(ids) for ids in sampled[0]}) == 6  # and the rows did not all draw alike
