@@ -576,7 +576,8 @@ def uniforms(seed, keys, positions, device="cpu"):
     the rows a machine decodes at once do not change what is sampled. 24 bits: exact in fp32 and below 1."""
     keys = np.asarray(keys, dtype=np.int64).astype(np.uint64)
     positions = np.asarray(positions, dtype=np.int64).astype(np.uint64)
-    h = splitmix64(splitmix64(splitmix64(np.full(keys.shape, seed % 2 ** 64, dtype=np.uint64)) ^ keys) ^ positions)
+    seed_hash = splitmix64(np.array([seed % 2 ** 64], dtype=np.uint64))  # (1,): an array, where a scalar warns on wrap
+    h = splitmix64(splitmix64(seed_hash ^ keys) ^ positions)
     u = (h >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
     return torch.from_numpy(u)[:, None].to(device)
 
