@@ -285,7 +285,7 @@ def test_the_rows_decoded_at_once_do_not_change_what_is_sampled(examples):
     samples the same trajectories (before, one generator's draws went to the rows in step order). The tiny random
     model runs in float64: its next-token distributions are nearly flat, and in fp32 a product's rounding, which
     moves with its rows, would flip some draws."""
-    model, tokenizer = load_model("tiny", seed=0)
+    model, tokenizer = load_model("tiny", seed=0)  # its own copy: this test changes the dtype
     model.double()
     scripts = {r: [trust_call("SELECT name FROM sqlite_master"), 12] for r in range(6)}  # then 12 sampled tokens
     runs = [run((model, tokenizer), examples[:3], scripts, group_size=2, temperature=1.0, top_p=0.95, max_turns=2,
