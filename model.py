@@ -278,7 +278,7 @@ def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, stat
         unwrap(model).save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         torch.save({"optimizer": opt, "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "global_step": gstep, "args": vars(args)}, indent=1))
+        write_state(tmp, state, gstep, args)
     barrier()
     torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")  # every rank its own stream
     barrier()
@@ -290,6 +290,14 @@ def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, stat
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def write_state(ckpt, state, gstep, args):
+    """ckpt/state.json, replaced whole: the run's position, its evaluations so far and its arguments. A checkpoint
+    already in place gets it again after an evaluation, so a resume does not evaluate the same weights twice."""
+    tmp = ckpt / ".state.json.tmp"
+    tmp.write_text(json.dumps({**state, "global_step": gstep, "args": vars(args)}, indent=1))
+    os.replace(tmp, ckpt / "state.json")
 
 
 def replaceable_checkpoints(run_dir, model, resume, overwrite):

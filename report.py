@@ -13,17 +13,23 @@ from eval import paired_bootstrap, wilson_interval
 
 
 class Logger:
-    """metrics.jsonl (+ wandb) on rank 0. On resume, lines past the checkpoint are dropped so the log stays exact."""
+    """metrics.jsonl (+ wandb) on rank 0. On resume, the lines written after the checkpoint are dropped, so the log
+    stays exact: `lines` is how many it held then (self.lines, saved in the checkpoint's state)."""
 
-    def __init__(self, run_dir, args, rank, gstep):
+    def __init__(self, run_dir, args, rank, gstep, lines=None):
         self.on = rank == 0
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
+        self.lines = 0
         if not self.on:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         old = self.path.read_text().splitlines() if self.path.exists() and args.resume else []
-        self.path.write_text("".join(line + "\n" for line in old if json.loads(line)["gstep"] <= gstep))
+        if lines is None:  # a checkpoint that did not count them: the lines up to its step
+            lines = sum(json.loads(line)["gstep"] <= gstep for line in old)
+        kept = old[:lines]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.lines = len(kept)
         if args.wandb:
             import wandb
             self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), resume="allow")
@@ -32,6 +38,7 @@ class Logger:
         if self.on:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            self.lines += 1
             if self.wandb:
                 self.wandb.log(row, step=row["gstep"])
 

@@ -45,7 +45,7 @@ from distributed import barrier, distribute, over_ranks, setup_distributed, shar
 from eval import evaluate_ex, run_agent, trained_settings
 from grpo import GRPOConfig, advantages, group_signal, grpo_step
 from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, latest_checkpoint, load_model, load_trainer_state,
-                   load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint)
+                   load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint, write_state)
 from report import Logger, report
 from rewards import REWARDS, difficulty_score, turn_budget
 from sft import AgentTokenLoss, agent_tokens, load_sft_data, pad_batch
@@ -785,7 +785,7 @@ def main(argv=None):
 
     # --- resume: the latest checkpoint's state decides which stage and step we are at
     ckpt = latest_checkpoint(run_dir) if args.resume else None
-    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "rl_pool": None, "refill": 0}
+    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "rl_pool": None, "refill": 0, "log_lines": None}
     if ckpt is not None:
         saved = json.loads((ckpt / "state.json").read_text())
         state.update({k: v for k, v in saved.items() if k in state}, gstep=saved["global_step"])
@@ -824,11 +824,12 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     autocast = functools.partial(torch.autocast, torch.device(device).type, torch.bfloat16) if bf16 else nullcontext
     wrap = distribute(model, args.fsdp, world, device, bf16, args.compile)  # SFT's loss: wrap (DDP); RL: the model
 
-    log = Logger(run_dir, args, rank, state["gstep"])
+    log = Logger(run_dir, args, rank, state["gstep"], state["log_lines"])
 
     def maybe_save(opt, sched, final=False):
         due = args.ckpt_every and state["gstep"] % args.ckpt_every == 0
         if due or final:
+            state["log_lines"] = log.lines
             save_checkpoint(run_dir, state["gstep"], model, tokenizer, opt, sched, state, args, rank, world)
         if args.stop_after and state["gstep"] == args.stop_after:
             if master:
@@ -866,6 +867,10 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
                  **{f"{name}_ex": e[name]["ex"] for name in e}})
         if master:
             print(f"[{tag}] " + "  ".join(f"{name} EX {100 * e[name]['ex']:.1f}% ({e[name]['n']})" for name in e))
+        ckpt_dir = run_dir / f"ckpt-{state['gstep']:06d}"
+        if master and ckpt_dir.exists():  # the stage's last checkpoint keeps its evaluation: a resume skips it
+            state["log_lines"] = log.lines
+            write_state(ckpt_dir, state, state["gstep"], args)
 
     # --- stage 1: SFT on teacher (or any) trajectories
     if "sft" in stages and state["stage"] == "sft":

@@ -240,7 +240,7 @@ def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, 
     assert train.trained_settings(tmp_path / "other") == {}
 
 
-def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     args = QUICK + ["--sft-steps", "2", "--rl-steps", "2", "--filter-k", "2", "--filter-limit", "2",
                     "--filter-pass-rate", "1.01", "--eval-limit", "1", "--max-new-tokens", "12"]
     train.main(args + ["--out-dir", str(tmp_path / "a")])
@@ -259,6 +259,29 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert strip(tmp_path / "a") == strip(tmp_path / "b")
     assert len(list((tmp_path / "b" / "quick").glob("ckpt-*"))) == 2  # keep last K
     assert not list((tmp_path / "b" / "quick").glob(".tmp-*"))
+
+    # killed in the filter, after SFT's evaluation and before any RL checkpoint (the demo's longest stretch without
+    # one): the resume does not evaluate SFT again, and its log holds each evaluation and the filter once
+    def killed(*a, **k):
+        raise Killed
+    monkeypatch.setattr(train, "difficulty_filter", killed)
+    with pytest.raises(Killed):
+        train.main(args + ["--out-dir", str(tmp_path / "c")])
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path / "c" / "quick").name == "ckpt-000002"
+    evaluated = []
+    evaluate_ex = train.evaluate_ex
+
+    def counted(*a, **k):
+        evaluated.append(a)
+        return evaluate_ex(*a, **k)
+    monkeypatch.setattr(train, "evaluate_ex", counted)
+    train.main(args + ["--out-dir", str(tmp_path / "c"), "--resume"])
+    assert len(evaluated) == 1  # RL's only
+    _, wc = final_weights(tmp_path / "c" / "quick")
+    for k in wa:
+        assert torch.equal(wa[k], wc[k]), k
+    assert strip(tmp_path / "a") == strip(tmp_path / "c")
 
 # -----------------------------------------------------------------------------
 # a run never deletes what it did not write
