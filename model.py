@@ -268,7 +268,7 @@ def optim_state(model, optimizer, fsdp):
 
 def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
     """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
-    final = run_dir / f"ckpt-{gstep:06d}"
+    final = checkpoint_dir(run_dir, gstep)
     tmp = run_dir / f".tmp-ckpt-{gstep:06d}"
     weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
     opt = optim_state(model, optimizer, args.fsdp)
@@ -290,6 +290,10 @@ def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, stat
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def checkpoint_dir(run_dir, gstep):
+    return run_dir / f"ckpt-{gstep:06d}"
 
 
 def write_state(ckpt, state, gstep, args):

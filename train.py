@@ -44,8 +44,9 @@ from data.spider.prepare import spider_sample
 from distributed import barrier, distribute, over_ranks, setup_distributed, shard
 from eval import evaluate_ex, run_agent, trained_settings
 from grpo import GRPOConfig, advantages, group_signal, grpo_step
-from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, latest_checkpoint, load_model, load_trainer_state,
-                   load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint, write_state)
+from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, checkpoint_dir, latest_checkpoint, load_model,
+                   load_trainer_state, load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint,
+                   write_state)
 from report import Logger, report
 from rewards import REWARDS, difficulty_score, turn_budget
 from sft import AgentTokenLoss, agent_tokens, load_sft_data, pad_batch
@@ -867,7 +868,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
                  **{f"{name}_ex": e[name]["ex"] for name in e}})
         if master:
             print(f"[{tag}] " + "  ".join(f"{name} EX {100 * e[name]['ex']:.1f}% ({e[name]['n']})" for name in e))
-        ckpt_dir = run_dir / f"ckpt-{state['gstep']:06d}"
+        ckpt_dir = checkpoint_dir(run_dir, state["gstep"])
         if master and ckpt_dir.exists():  # the stage's last checkpoint keeps its evaluation: a resume skips it
             state["log_lines"] = log.lines
             write_state(ckpt_dir, state, state["gstep"], args)
