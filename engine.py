@@ -47,7 +47,6 @@ SORT_BELOW = 0.8        # CPU decode: sort rows by length once that cuts the key
 # no cuDNN SDPA (Hopper's default): it compiles a plan per key length, so per prefill shape (docs/rollout.md)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 GRAPHS_ENV = "SQLRL_CUDA_GRAPHS"  # 1 (default): replay CUDA graphs; 0: run the same step eagerly; check: compare
-CACHE_HEADROOM = 2 * 2 ** 30      # bytes kept free beside the KV cache for prefill activations and logits
 _notes_said = set()
 
 # -----------------------------------------------------------------------------
@@ -153,118 +152,6 @@ class SlotCache:
                     x[pos, :used] = x[src[pos], :used]
                 pos = src[pos]
         self.lens = [self.lens[i] for i in index]
-
-
-def rows_that_fit(rows, bytes_per_row, free_bytes, reserve=CACHE_HEADROOM):
-    """How many rows' KV cache fit in free_bytes, keeping `reserve` bytes for everything else (at most `rows`)."""
-    return max(0, min(rows, int((free_bytes - reserve) // bytes_per_row)))
-
-
-def kv_bytes_per_row(config, limit, dtype):
-    """Bytes of one cache row of limit + 1 slots (keys and values of every layer)."""
-    return 2 * config.num_hidden_layers * (limit + 1) * config.num_key_value_heads * head_dim(config) * dtype.itemsize
-
-
-def free_memory(device):
-    """Bytes this process can still take: a GPU's free memory, or the host's MemAvailable, lowered to what the memory
-    cgroups this process runs in still allow (a container's limit); None where unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    host = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    host = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    known = [room for room in (host, cgroup_room()) if room is not None]
-    return min(known) if known else None
-
-
-# cgroup v2 and v1 name the same three numbers differently: the limit, the usage, and the reclaimable page cache
-CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
-                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
-
-
-def cgroup_room(proc_cgroup="/proc/self/cgroup", mount="/sys/fs/cgroup"):
-    """The least room left under any memory limit on this process's cgroup or its ancestors: limit - usage + the
-    inactive page cache the kernel reclaims before it kills (None: no limit, or no cgroups to read)."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    rooms = []
-    for line in lines:
-        if line.count(":") < 2:
-            continue
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # the unified hierarchy, mounted on its own or beside v1's as "unified"
-            version = "v2"
-            root = mount if os.path.exists(f"{mount}/cgroup.controllers") else f"{mount}/unified"
-        elif "memory" in controllers.split(","):
-            version = "v1"
-            root = f"{mount}/memory"
-        else:
-            continue
-        if not os.path.isdir(root):
-            continue
-        here = os.path.normpath(root + path)
-        if not os.path.isdir(here):  # a container without its own cgroup namespace sees its cgroup as the root
-            here = root
-        while True:
-            room = _cgroup_dir_room(here, *CGROUP_FILES[version])
-            if room is not None:
-                rooms.append(room)
-            if here == root:
-                break
-            here = os.path.dirname(here)
-    return min(rooms) if rooms else None
-
-
-def _cgroup_dir_room(folder, limit_file, usage_file, cache_key):
-    """limit - usage + inactive page cache of one cgroup folder; None without a limit (v2's "max", v1's near 2**63)."""
-    try:
-        with open(f"{folder}/{limit_file}") as f:
-            limit = f.read().strip()
-        with open(f"{folder}/{usage_file}") as f:
-            usage = int(f.read())
-        with open(f"{folder}/memory.stat") as f:
-            stat = dict(line.split() for line in f if line.strip())
-    except (OSError, ValueError):
-        return None
-    if limit == "max" or int(limit) >= 2 ** 60:
-        return None
-    return int(limit) - usage + int(stat.get(cache_key, 0))
-
-
-def cache_rows(model, rows, device, dtype, limit, budget=None, reserve=CACHE_HEADROOM):
-    """Rows decoded at once: all of them, unless fewer full-length rows fit in the free memory less `reserve` (GPU; or
-    the host's, given a budget) or in `budget` bytes, which is then said on one line. A GPU cache is allocated whole,
-    at rows x (limit + 1) slots, since growing it would move the buffers a captured graph reads; a CPU cache commits
-    pages as rows grow, so without a budget it is not sized at all. Raises ValueError when not even one row fits."""
-    device = torch.device(device)
-    if device.type != "cuda" and budget is None:
-        return rows
-    per_row = kv_bytes_per_row(model.config, limit, dtype)
-    free = free_memory(device)
-    fit = rows if free is None else rows_that_fit(rows, per_row, free, reserve)
-    if budget is not None:
-        fit = min(fit, int(budget // per_row))
-    need = f"{rows} rows x {limit + 1:,} KV slots need {rows * per_row / 1e9:.1f} GB"
-    room = "free memory unknown"
-    if free is not None:
-        room = f"{free / 1e9:.1f} GB free, {reserve / 1e9:.1f} GB of it kept beside the cache"
-    if budget is not None:
-        room += f", a {budget / 2 ** 30:g} GiB budget"
-    if fit == 0:
-        short_budget = budget is not None and budget < per_row
-        raise ValueError(f"one row of {limit + 1:,} KV slots needs {per_row / 1e9:.2f} GB ({room}): lower "
-                         f"--max-total-tokens or {'raise --kv-cache-gb' if short_budget else 'free some memory'}")
-    if fit < rows:
-        say_once(f"rollout: {need} ({room}): decoding {fit} rows at once")
-    return fit
 
 
 def say_once(note):

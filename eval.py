@@ -32,10 +32,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import over_ranks, unwrap
-from engine import cache_rows
 from model import AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
 from env import load_examples, run_many
+from memory import cache_rows
 from rewards import SCORE_MAX_ROWS, gold_order_matters, gold_results, is_correct  # shared with the rewards
 from taxonomy import classify_failure
 from data.spider.prepare import spider_hardness, spider_sql, ts_databases, write_spider_files  # test-suite rules

@@ -28,6 +28,7 @@ import torch
 import cli
 import engine
 import env
+import memory
 import protocols
 
 _SENTINEL = "@@turn-content@@"
@@ -180,7 +181,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
     device_type = param.device.type
     autocast = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else param.dtype
-    slots = engine.cache_rows(model, min(len(waiting), max_rows or len(waiting)), param.device, dtype,
+    slots = memory.cache_rows(model, min(len(waiting), max_rows or len(waiting)), param.device, dtype,
                               max_total_tokens)
     cache = engine.SlotCache(model, slots, param.device, dtype, max_total_tokens)
     pad = tokenizer.pad_token_id

@@ -14,7 +14,6 @@ holds checkpoints (pass --resume, another --run-name or --overwrite): it never d
 """
 import argparse
 import copy
-import ctypes
 import functools
 import json
 import math
@@ -23,7 +22,6 @@ import random
 import shutil
 import sys
 import textwrap
-import threading
 import time
 import warnings
 from contextlib import nullcontext
@@ -36,8 +34,8 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 import cli
-import engine
 import env
+import memory
 import protocols
 import rollout
 from data.spider.prepare import spider_sample
@@ -440,87 +438,6 @@ def select_rl_pool(examples, rates, args):
     return [ex for ex in examples if ex["id"] in keep]
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def return_memory_on_free():
-    """glibc (elsewhere a no-op): blocks of 1 MiB and up get pages of their own, unmapped when freed. glibc's default
-    threshold adapts upwards to the largest block ever freed, so the heap would keep what training once held and the
-    KV cache would come on top; below 1 MiB the heap's own pages are reused, not faulted in afresh at every step."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 2 ** 20)
-    except (OSError, AttributeError):
-        pass
-
-
-def training_bytes(model, args, bf16):
-    """About what training adds to a CPU process that has just loaded the model: the fp32 weights (paged in as they
-    are used), their gradients and AdamW's two moments (16 bytes a parameter; under bf16 4 more, for the decode copy
-    and autocast's copies), and for each sequence of a micro-batch what backward keeps: per token 75 bytes a layer and
-    hidden unit in fp32, 110 in bf16 with what glibc's heaps hold on to, and per trained token 20 bytes a vocabulary
-    entry for the logits (measured: docs/training.md#memory)."""
-    cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
-    tokens = args.max_total_tokens
-    trained = min(tokens, args.max_turns * args.max_new_tokens)  # the agent's own tokens, at most
-    per_row = tokens * cfg.num_hidden_layers * cfg.hidden_size * (110 if bf16 else 75) + trained * 20 * cfg.vocab_size
-    return params * (20 if bf16 else 16) + micro_batch_rows(args) * per_row
-
-
-def decoding_bytes(model, bf16):
-    """What stays beside the KV cache while a CPU run decodes: the fp32 weights and AdamW's two moments (12 bytes a
-    parameter; 2 more for the bf16 decode copy), and the engine's headroom for prefill."""
-    return sum(p.numel() for p in model.parameters()) * (14 if bf16 else 12) + engine.CACHE_HEADROOM
-
-
-def micro_batch_rows(args):
-    """Sequences in one forward and backward, SFT's or RL's, whichever is more."""
-    return args.micro_batch_size or max(args.sft_batch_size, args.rl_batch_size * args.group_size)
-
-
-def check_training_memory(model, args, bf16, device):
-    """Stop before any work, not midway, where the machine's available memory cannot hold training (CPU runs)."""
-    free = engine.free_memory(torch.device(device))
-    need = training_bytes(model, args, bf16)
-    if free is not None and free < need:
-        cgroup = engine.cgroup_room()
-        limited = cgroup is not None and cgroup <= free  # a container or batch job's limit, not other programs
-        fix = "raise the memory limit of this process's cgroup" if limited else "close other programs"
-        raise cli.UserError(f"training needs about {need / 1e9:.1f} GB more than the loaded model holds (micro-batches "
-                            f"of {micro_batch_rows(args)} x {args.max_total_tokens:,} tokens) and {free / 1e9:.1f} GB "
-                            f"is available: {fix}, or lower --max-total-tokens or --micro-batch-size")
-
-
-def release_freed_memory():
-    """Hand the heaps' free pages back to the OS (glibc; elsewhere a no-op): what training freed, before decoding."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def on_training_thread(device, fn, *args):
-    """fn(*args) on a thread of its own on the CPU (elsewhere right here), for training's forwards, backwards and
-    optimizer steps. glibc gives a new thread a heap of its own (an arena): the blocks under the mmap threshold that
-    a step frees stay in that heap, where the rest of the step reuses them, and the decoding on the main thread never
-    re-touches them (release_freed_memory hands them back between steps). Larger blocks, most activations among
-    them, are mapped afresh whichever thread asks. Autocast and grad mode are per thread: fn sets its own."""
-    if torch.device(device).type != "cpu":
-        return fn(*args)
-    out = {}
-
-    def target():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # also SystemExit (--stop-after): raised again on the calling thread
-            out["error"] = e
-    thread = threading.Thread(target=target, name="train", daemon=True)  # daemon: Ctrl-C need not wait for it
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
 # -----------------------------------------------------------------------------
 # the two stages
 
@@ -561,7 +478,7 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
         loss_all = over_ranks(torch.tensor(loss_sum, dtype=torch.float64)).item()
         state["step"] = step + 1
         state["gstep"] += 1
-        release_freed_memory()
+        memory.release_freed_memory()
         log.log({"stage": "sft", "step": step + 1, "gstep": state["gstep"], "loss": loss_all, "grad_norm": grad_norm,
                  "lr": lr, "tokens": tokens, "time_update": time.perf_counter() - t0})
         bar.set_postfix(loss=f"{loss_all:.3f}")
@@ -655,7 +572,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         t1 = time.perf_counter()
         lr = sched.get_last_lr()[0]  # the lr this step uses
         model.train()
-        gm = on_training_thread(ctx["device"], update, model, opt, trajs, rewards, cfg, ref, ctx["autocast"])
+        gm = memory.on_training_thread(ctx["device"], update, model, opt, trajs, rewards, cfg, ref, ctx["autocast"])
         with warnings.catch_warnings():  # a step with no signal skips the update, yet the schedule counts RL steps
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
             sched.step()
@@ -674,7 +591,7 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
 
 
 def update(model, opt, trajs, rewards, cfg, ref, autocast):
-    """One grpo_step under autocast (autocast holds for the thread that enters it: on_training_thread's)."""
+    """One grpo_step under autocast (autocast holds for the thread that enters it: memory.on_training_thread's)."""
     with autocast():
         return grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref)
 
@@ -702,7 +619,7 @@ def main(argv=None):
     owns_group = not dist.is_initialized()  # a caller's process group outlives this run; one made here ends with it
     rank, world, device = setup_distributed(args)
     if torch.device(device).type == "cpu":
-        return_memory_on_free()
+        memory.return_memory_on_free()
     args.dtype = resolve_dtype(args.dtype, device)  # saved resolved in config.json
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
@@ -762,13 +679,13 @@ def main(argv=None):
     kv_dtype = TORCH_DTYPES[args.dtype]
     bf16 = args.dtype == "bf16"
     budget = None
-    reserve = engine.CACHE_HEADROOM
+    reserve = memory.CACHE_HEADROOM
     if torch.device(device).type == "cpu":
-        check_training_memory(model, args, bf16, device)
+        memory.check_training_memory(model, args, bf16, device)
         budget = args.kv_cache_gb * 2 ** 30
-        reserve = decoding_bytes(model, bf16)
+        reserve = memory.decoding_bytes(model, bf16)
     try:
-        rows = engine.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
+        rows = memory.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
     except ValueError as e:
         raise cli.UserError(e) from None
     if rows < args.eval_batch_size:
@@ -777,8 +694,8 @@ def main(argv=None):
     if master:  # the presets, then the command line, then the memory: what this run uses, and where each came from
         print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
                             subsequent_indent="  "))
-        if sources["eval_batch_size"] != "machine memory":  # else engine.cache_rows has said it
-            kv = engine.kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
+        if sources["eval_batch_size"] != "machine memory":  # else memory.cache_rows has said it
+            kv = memory.kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
             print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(vars(args) | {"sources": sources}, indent=1) + "\n")
@@ -841,7 +758,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
         """The weights to decode with: a full copy (bf16 under bf16) refreshed here, or the model itself.
         Decoding under autocast would cast every fp32 weight again at each step (docs/training.md, precision)."""
         model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
-        release_freed_memory()  # what training freed, before the KV cache is allocated
+        memory.release_freed_memory()  # what training freed, before the KV cache is allocated
         if sampler is not model:
             with torch.no_grad():
                 for s, p in zip(sampler.parameters(), model.parameters()):  # FSDP: all-gathers, every rank
@@ -888,7 +805,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
             if master:
                 print(f"sft: {args.sft_epochs:g} epochs of {len(rows):,} trajectories at batch {args.sft_batch_size}: "
                       f"{args.sft_steps} steps")
-        timed("sft", on_training_thread, device, train_sft, model, tokenizer, rows, args, ctx, state,
+        timed("sft", memory.on_training_thread, device, train_sft, model, tokenizer, rows, args, ctx, state,
               ckpt if ckpt is not None and state["step"] else None)
         ckpt = None
     if "sft" in stages:

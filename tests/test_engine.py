@@ -1,6 +1,6 @@
 """engine.py on the CPU: every decode path gives the tokens the engine gave before the static step (golden files),
 the static step is capturable (compiled whole, once per bucket, never again), padded rows touch only the scratch
-slot, the cache's memory sizing, length ranges, and sampling."""
+slot, the cache's zeroing, length ranges, and sampling."""
 import json
 
 import pytest
@@ -111,57 +111,7 @@ def test_batch_buckets():
     assert engine.batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
 
 # -----------------------------------------------------------------------------
-# 3. the cache: memory, zeroing, length ranges
-
-
-def test_fewer_rows_decode_at_once_when_less_memory_is_free():
-    gib = 2 ** 30
-    assert engine.rows_that_fit(64, gib, 100 * gib) == 64
-    assert engine.rows_that_fit(64, gib, 40 * gib) == 38  # 40 GiB less the 2 GiB headroom
-    assert engine.rows_that_fit(64, gib, 20 * gib) == 18
-    assert engine.rows_that_fit(64, gib, 2 * gib) == 0
-
-
-def fake_cgroup(root, folder, files):
-    (root / folder).mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (root / folder / name).write_text(text)
-
-
-def test_a_containers_memory_limit_is_the_free_memory_it_leaves(tmp_path, monkeypatch):
-    gib = 2 ** 30
-    # a container on cgroup v2: 6 GiB limit, 2 GiB charged, of it 0.5 GiB page cache the kernel can drop
-    v2 = tmp_path / "v2"
-    fake_cgroup(v2, ".", {"cgroup.controllers": "cpu memory", "memory.max": f"{6 * gib}\n",
-                          "memory.current": f"{2 * gib}\n", "memory.stat": f"anon 1\ninactive_file {gib // 2}\n"})
-    (tmp_path / "v2.cgroup").write_text("0::/\n")
-    assert engine.cgroup_room(tmp_path / "v2.cgroup", str(v2)) == 4.5 * gib
-    # cgroup v1, a job without a limit inside a parent with 8 GiB: the parent's limit binds
-    v1 = tmp_path / "v1"
-    fake_cgroup(v1, "memory", {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": "1",
-                               "memory.stat": "total_inactive_file 0\n"})
-    fake_cgroup(v1, "memory/batch", {"memory.limit_in_bytes": f"{8 * gib}", "memory.usage_in_bytes": f"{3 * gib}",
-                                     "memory.stat": f"total_inactive_file {gib}\n"})
-    fake_cgroup(v1, "memory/batch/job7", {"memory.limit_in_bytes": "9223372036854771712",
-                                          "memory.usage_in_bytes": f"{gib}", "memory.stat": "total_inactive_file 0\n"})
-    (tmp_path / "v1.cgroup").write_text("5:cpu,cpuacct:/batch/job7\n4:memory:/batch/job7\n0::/\n")
-    assert engine.cgroup_room(tmp_path / "v1.cgroup", str(v1)) == 6 * gib
-    # no limit anywhere: the host's MemAvailable alone
-    (tmp_path / "free.cgroup").write_text("4:memory:/\n")
-    assert engine.cgroup_room(tmp_path / "free.cgroup", str(v1)) is None
-    monkeypatch.setattr(engine, "cgroup_room", lambda: gib)
-    assert engine.free_memory(torch.device("cpu")) == gib
-
-
-def test_a_smaller_kv_budget_decodes_fewer_rows_and_says_so(tiny, capsys):
-    model = tiny[0]
-    per_row = engine.kv_bytes_per_row(model.config, 1024, torch.float32)
-    assert engine.cache_rows(model, 64, "cpu", torch.float32, 1024, budget=64 * per_row) == 64
-    assert engine.cache_rows(model, 64, "cpu", torch.float32, 1024, budget=5.5 * per_row) == 5
-    assert "decoding 5 rows at once" in capsys.readouterr().out
-    assert engine.cache_rows(model, 64, "cpu", torch.float32, 1024) == 64  # no budget: a CPU cache grows as used
-    with pytest.raises(ValueError, match="--kv-cache-gb"):
-        engine.cache_rows(model, 64, "cpu", torch.float32, 1024, budget=per_row / 2)
+# 3. the cache: zeroing, length ranges
 
 
 def test_cache_slots_are_zeroed_before_first_read(tiny, examples, monkeypatch):

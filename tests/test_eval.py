@@ -436,9 +436,9 @@ def test_end_to_end_tiny_model_on_gym(gym_dir, tmp_path):
 def test_cli_decodes_fewer_rows_in_a_smaller_kv_budget_and_stops_when_one_row_does_not_fit(gym_dir, tmp_path,
                                                                                            monkeypatch, capsys):
     import torch
-    import engine
+    import memory
     from model import load_model
-    per_row = engine.kv_bytes_per_row(load_model("tiny")[0].config, 256, torch.float32)
+    per_row = memory.kv_bytes_per_row(load_model("tiny")[0].config, 256, torch.float32)
     flags = ["--model", "tiny", "--dtype", "fp32", "--device", "cpu", "--data", str(gym_dir / "dev.jsonl"),
              "--limit", "3", "--samples", "1", "--ves-runs", "0", "--max-turns", "1", "--max-new-tokens", "4",
              "--max-total-tokens", "256", "--batch-size", "3", "--out-dir", str(tmp_path)]

@@ -7,7 +7,6 @@ import random
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,8 +14,8 @@ import pytest
 import torch
 
 import cli
-import engine
 import grpo
+import memory
 import train
 from data.spider.prepare import spider_sample
 from sft import load_sft_data
@@ -87,11 +86,11 @@ def test_training_must_fit_the_free_memory_and_the_kv_cache_takes_what_is_left(t
     argv = QUICK + ["--dtype", "fp32", "--out-dir", str(tmp_path)]
     args = train.get_args(argv)
     model = load_model("tiny")[0]
-    need = train.training_bytes(model, args, bf16=False)
-    held = sum(p.numel() for p in model.parameters()) * 12 + engine.CACHE_HEADROOM  # weights, AdamW, prefill
-    per_row = engine.kv_bytes_per_row(model.config, args.max_total_tokens, torch.float32)
+    need = memory.training_bytes(model, args, bf16=False)
+    held = sum(p.numel() for p in model.parameters()) * 12 + memory.CACHE_HEADROOM  # weights, AdamW, prefill
+    per_row = memory.kv_bytes_per_row(model.config, args.max_total_tokens, torch.float32)
     free = {"bytes": need - 1}
-    monkeypatch.setattr(engine, "free_memory", lambda device: free["bytes"])
+    monkeypatch.setattr(memory, "free_memory", lambda device: free["bytes"])
     with pytest.raises(cli.UserError, match="training needs about .* --micro-batch-size"):
         train.main(argv)
     assert not (tmp_path / "quick").exists()  # stopped before the teacher data: nothing ran
@@ -402,15 +401,6 @@ dist.barrier()
 dist.destroy_process_group()
 os._exit(0)  # gloo's worker threads can abort interpreter teardown (SIGABRT, ~1 run in 20): skip it
 """
-
-
-def test_training_runs_on_a_thread_of_its_own_whose_errors_reach_the_caller():
-    # on the CPU glibc gives that thread its own heap (docs/training.md, memory); elsewhere nothing changes
-    assert train.on_training_thread("cpu", threading.current_thread) is not threading.main_thread()
-    assert train.on_training_thread("cuda", threading.current_thread) is threading.main_thread()
-    assert train.on_training_thread("cpu", max, 2, 7) == 7
-    with pytest.raises(SystemExit):  # --stop-after exits from inside SFT
-        train.on_training_thread("cpu", sys.exit, 0)
 
 
 def test_ddp_gradients_match_single_process(tmp_path):
