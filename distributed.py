@@ -14,15 +14,20 @@ import torch.distributed as dist
 # setup and placement
 
 
+def group_backends(device) -> str:
+    """The backends of the ranks' process group: on CUDA, NCCL for GPU tensors and gloo for CPU ones (NCCL serves
+    CUDA tensors only), so a count made on the host reduces where it is, with no copy to the GPU and back."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def setup_distributed(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if world > 1 and not dist.is_initialized():
-        cuda = args.device.startswith("cuda")
-        if cuda:
+        if args.device.startswith("cuda"):
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(group_backends(args.device))
     device = f"cuda:{local}" if args.device.startswith("cuda") else args.device
     return rank, world, device
 

@@ -530,9 +530,7 @@ def rollout_metrics(trajs, rewards):
               "sampled_tokens": sum(sum(t.loss_mask) for t in trajs),
               "seq_tokens": sum(len(t.token_ids) for t in trajs),
               "answered": sum(t.episode.final_sql is not None for t in trajs), "n": len(trajs)}
-    total = torch.tensor(list(local.values()), dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(total)
+    total = over_ranks(torch.tensor(list(local.values()), dtype=torch.float64))
     total = dict(zip(local, total.tolist()))
     n = max(total.pop("n"), 1)
     return {k: v / n for k, v in total.items()}
