@@ -42,6 +42,7 @@ except ImportError:  # optional (design card): a GPU-only package
     flash_attn_with_kvcache = None
 
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward (observations, prompts)
+PREFILL_BYTES = 2 ** 30  # what one prefill forward may hold beside the weights and the cache (prefill_bytes)
 RANGE_ROWS = 16         # CPU decode: rows per length range
 SORT_BELOW = 0.8        # CPU decode: sort rows by length once that cuts the keys a step reads below this fraction
 # no cuDNN SDPA (Hopper's default): it compiles a plan per key length, so per prefill shape (docs/rollout.md)
@@ -269,15 +270,36 @@ def forward_chunks(model, cache, chunks, pad_id, rows=None):
         cache.lens[r] += k
 
 
-def length_groups(items, lengths, max_tokens=PREFILL_TOKENS):
+def prefill_bytes(config, rows, tokens, keys, itemsize):
+    """What one prefill forward of `rows` rows x `tokens` new tokens over `keys` key slots holds at once beside the
+    weights and the cache, from the shapes. The decoder layers run one after another, so it is the larger of one
+    layer's attention and its MLP. Attention holds per token the residual stream and its norm, the new queries, keys
+    and values before and after RoPE and the output; per row the keys and values it reads, once as the cache's copy
+    and again repeated for each query head (transformers' SDPA under a mask); and the float and bool masks (rows x
+    tokens x keys). SDPA's kernels under a mask (memory-efficient, CPU flash) never hold the scores whole."""
+    H = config.num_attention_heads
+    Hkv = config.num_key_value_heads
+    D = head_dim(config)
+    n = rows * tokens
+    attention = (n * (2 * config.hidden_size + (3 * H + 4 * Hkv) * D) * itemsize
+                 + rows * keys * 2 * (Hkv + H) * D * itemsize + n * keys * (itemsize + 1))
+    mlp = n * (2 * config.hidden_size + 3 * config.intermediate_size) * itemsize
+    return max(attention, mlp)
+
+
+def length_groups(items, lengths, max_tokens=PREFILL_TOKENS, fits=None):
     """Split items into prefill batches, longest first, each padded to at most 1.25x its real tokens and to
-    max_tokens (a longer single item goes alone)."""
+    max_tokens (a longer single item goes alone), and, given fits(group, tokens), one that fits says True for."""
     order = sorted(range(len(items)), key=lambda j: -lengths[j])
     groups = []
     total = 0
     for j in order:
-        padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]] if groups else 0
-        if not groups or padded > max_tokens or padded > 1.25 * (total + lengths[j]):
+        group = groups[-1] if groups else []
+        padded = (len(group) + 1) * lengths[group[0]] if group else 0
+        too_big = padded > max_tokens or padded > 1.25 * (total + lengths[j])
+        if group and not too_big and fits is not None:
+            too_big = not fits([items[i] for i in group + [j]], lengths[group[0]])
+        if not group or too_big:
             groups.append([])
             total = 0
         groups[-1].append(j)
@@ -285,11 +307,29 @@ def length_groups(items, lengths, max_tokens=PREFILL_TOKENS):
     return [[items[j] for j in group] for group in groups]
 
 
-def prefill(model, cache, feeds, pad_id):
-    """Push all but the last token of every multi-token feed {cache row: tokens} through the model."""
+def prefill(model, cache, feeds, pad_id, budget=PREFILL_BYTES):
+    """Push all but the last token of every multi-token feed {cache row: tokens} through the model, in forwards whose
+    transient memory (prefill_bytes) stays within `budget` bytes: rows of similar lengths together, and a feed too
+    long for the budget on its own in pieces, each continuing where the one before ended."""
+    itemsize = cache.k[0].dtype.itemsize
+
+    def cost(rows, tokens, keys):
+        return prefill_bytes(model.config, len(rows), tokens, min(keys, cache.limit + 1), itemsize)
+
+    def fits(rows, tokens):
+        return cost(rows, tokens, max(cache.lens[r] for r in rows) + tokens) <= budget
     waiting = [i for i, feed in feeds.items() if len(feed) > 1]
-    for group in length_groups(waiting, [len(feeds[i]) - 1 for i in waiting]):
-        forward_chunks(model, cache, [feeds[i][:-1] for i in group], pad_id, rows=group)
+    for group in length_groups(waiting, [len(feeds[i]) - 1 for i in waiting], fits=fits):
+        if len(group) > 1 or fits(group, len(feeds[group[0]]) - 1):
+            forward_chunks(model, cache, [feeds[i][:-1] for i in group], pad_id, rows=group)
+            continue
+        feed = feeds[group[0]][:-1]
+        end = cache.lens[group[0]] + len(feed)  # every piece's keys counted as the last piece's
+        piece = len(feed)
+        while piece > 1 and cost(group, piece, end) > budget:
+            piece = (piece + 1) // 2
+        for start in range(0, len(feed), piece):
+            forward_chunks(model, cache, [feed[start:start + piece]], pad_id, rows=group)
 
 # -----------------------------------------------------------------------------
 # The decode step: static shapes, one graph per bucket of rows
@@ -358,12 +398,28 @@ def make_decoder(model, cache, decode="auto"):
     if decode == "graphs":
         try:
             capture(model, cache, decoder)
-        except (RuntimeError, TypeError) as e:  # an op this GPU or torch build lacks: the same step, run eagerly
-            reason = (str(e).strip().splitlines() or [""])[0][:200]
-            say_once(f"rollout: CUDA graph capture failed ({type(e).__name__}: {reason}); decoding eagerly with "
-                     f"masked SDPA (SQLRL_CUDA_GRAPHS=0 skips the attempt)")
-            decoder = Decoder("static", "sdpa", buckets)
+        except (RuntimeError, TypeError) as e:  # an op this GPU or torch build lacks
+            decoder = eager_fallback(model, cache, kernel, buckets, e)
     return decoder
+
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
+def eager_fallback(model, cache, kernel, buckets, error):
+    """After a failed capture: the same static step run eagerly, whose attention reads each row's own keys; where that
+    step fails too (the kernel itself), masked SDPA over every slot. One line says which."""
+    failed = f"rollout: CUDA graph capture failed ({type(error).__name__}: {first_line(error)})"
+    try:
+        _scratch_inputs(cache)
+        decode_step(model, cache, buckets[0], kernel)
+    except (RuntimeError, TypeError) as e:  # NotImplementedError too: a kernel this device lacks
+        say_once(f"{failed}; the {kernel} step fails eagerly too ({type(e).__name__}: {first_line(e)}): decoding "
+                 f"eagerly with masked SDPA over all {cache.limit + 1:,} slots (SQLRL_CUDA_GRAPHS=0 skips the capture)")
+        return Decoder("static", "sdpa", buckets)
+    say_once(f"{failed}: decoding the same {kernel} step eagerly (SQLRL_CUDA_GRAPHS=0 skips the capture)")
+    return Decoder("static", kernel, buckets)
 
 
 def _scratch_inputs(cache, pad_id=0):

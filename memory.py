@@ -13,9 +13,9 @@ import threading
 import torch
 
 import cli
-from engine import head_dim, say_once
+from engine import PREFILL_BYTES, head_dim, say_once
 
-CACHE_HEADROOM = 2 * 2 ** 30  # bytes kept free beside the KV cache for prefill activations and logits
+CACHE_HEADROOM = 2 * PREFILL_BYTES  # kept free beside the KV cache: a prefill's bound, as much for logits, sampling
 M_MMAP_THRESHOLD = -3         # glibc's mallopt parameter
 
 # -----------------------------------------------------------------------------
@@ -23,10 +23,12 @@ M_MMAP_THRESHOLD = -3         # glibc's mallopt parameter
 
 
 def free_memory(device):
-    """Bytes this process can still take: a GPU's free memory, or the host's MemAvailable, lowered to what the memory
-    cgroups this process runs in still allow (a container's limit); None where unknown."""
+    """Bytes this process can still take: a GPU's free memory with the blocks PyTorch's allocator caches but does not
+    use (it hands them out again, or frees them before it would fail), or the host's MemAvailable, lowered to what
+    the memory cgroups this process runs in still allow (a container's limit); None where unknown."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     host = None
     try:
         with open("/proc/meminfo") as f:

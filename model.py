@@ -173,8 +173,11 @@ def smollm2_folder(cache=None, quiet=False):
         tokenizer.save_pretrained(Path(tmp) / "model")
         try:
             os.replace(Path(tmp) / "model", folder)  # atomic: a concurrent process sees no half-written folder
-        except OSError:  # another process won the race; its copy is the same
-            pass
+        except OSError:  # the folder exists: another process won the race, or it holds only the tokenizer files
+            if not (folder / "model.safetensors").exists():  # (a GPU check's copy): the weights join them, last
+                files = sorted((Path(tmp) / "model").iterdir(), key=lambda f: f.name == "model.safetensors")
+                for f in files:
+                    os.replace(f, folder / f.name)
     return folder
 
 

@@ -192,8 +192,8 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
         prompts = [rows[r].feed for r in waiting]
         shared = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)
         head = engine.SlotCache(model, 1, param.device, dtype, max(shared, 1))
-        if shared > 1:
-            engine.forward_chunks(model, head, [prompts[0][:shared]], pad)
+        if shared > 1:  # prefill feeds all but a feed's last token: these are the shared ones
+            engine.prefill(model, head, {0: prompts[0][:shared + 1]}, pad)
         else:
             shared = 0
 

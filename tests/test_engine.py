@@ -243,3 +243,100 @@ def test_the_rows_decoded_at_once_do_not_change_what_is_sampled(examples):
     sampled = [[t.token_ids for t in trajs] for trajs in runs]
     assert sampled[0] == sampled[1] == sampled[2]
     assert len({tuple(ids) for ids in sampled[0]}) == 6  # and the rows did not all draw alike
+
+
+# -----------------------------------------------------------------------------
+# 4. prefill within its memory bound
+
+
+def qwen3_4b():
+    from transformers import AutoConfig
+    from model import SHAPES
+    return AutoConfig.for_model("qwen3", **SHAPES["Qwen3-4B"])
+
+
+def test_prefill_bytes_of_many_long_rows_is_what_the_shapes_say():
+    """40 rows of a Qwen3-4B shape, 500 new tokens each over 10,000 keys, bf16: the keys and values read, repeated for
+    32 query heads, are 40 x 10,000 x 2 x (8 + 32) x 128 x 2 bytes; beside them the masks and one layer's
+    activations. A forward that size would not fit the 2 GiB kept beside the cache."""
+    cfg = qwen3_4b()
+    keys = 40 * 10_000 * 2 * (8 + 32) * 128 * 2
+    masks = 40 * 500 * 10_000 * 3
+    activations = 40 * 500 * (2 * 2560 + (3 * 32 + 4 * 8) * 128) * 2
+    assert engine.prefill_bytes(cfg, 40, 500, 10_000, 2) == keys + masks + activations
+    assert keys + masks + activations > 9e9
+    assert engine.prefill_bytes(cfg, 1, 1, 1, 2) == 2 * (2 * 2560 + 3 * 9728)  # one token: the MLP's is larger
+
+
+def test_prefill_groups_stay_within_the_budget():
+    """The 40 long rows above split into forwards of at most PREFILL_BYTES each, every row in exactly one."""
+    cfg = qwen3_4b()
+    rows = list(range(40))
+
+    def fits(group, tokens):
+        return engine.prefill_bytes(cfg, len(group), tokens, 10_000 + tokens, 2) <= engine.PREFILL_BYTES
+    groups = engine.length_groups(rows, [500] * 40, fits=fits)
+    assert sorted(r for g in groups for r in g) == rows
+    assert len(groups) > 1
+    assert all(fits(g, 500) for g in groups)
+    assert all(not fits(g + [0], 500) for g in groups[:-1])  # each group as large as the budget allows
+
+
+def test_a_prefill_within_a_small_budget_gives_the_cache_one_forward_gives(tiny, monkeypatch):
+    """Rows with histories of different lengths get feeds of 3 to 300 tokens: under a budget too small for two rows
+    together or for the longest feed alone, rows go in one by one and the 300-token feed in pieces. The cache holds
+    the same keys and the next decode step gives the same logits as with no bound."""
+    model = tiny[0]
+    feeds = {0: list(range(5, 305)), 1: list(range(7, 10)), 2: list(range(11, 131)), 3: list(range(20, 80))}
+    history = [[3] * n for n in (10, 40, 0, 25)]
+    itemsize = 4
+    budget = engine.prefill_bytes(model.config, 1, 150, 340, itemsize)
+    calls = []
+    forward_chunks = engine.forward_chunks
+
+    def recording(model, cache, chunks, pad_id, rows=None):
+        keys = max(cache.lens[r] for r in rows) + max(map(len, chunks))
+        calls.append(engine.prefill_bytes(model.config, len(chunks), max(map(len, chunks)), keys, itemsize))
+        return forward_chunks(model, cache, chunks, pad_id, rows=rows)
+    outputs = []
+    for bound in (None, budget):
+        cache = engine.SlotCache(model, 4, "cpu", torch.float32, 512)
+        with torch.inference_mode(), engine.use_slot_attention(model):
+            forward_chunks(model, cache, history, 0)  # pads behind the shorter rows are overwritten below
+            cache.lens = [len(h) for h in history]
+            monkeypatch.setattr(engine, "forward_chunks", recording)
+            calls.clear()
+            engine.prefill(model, cache, feeds, 0, **({} if bound is None else {"budget": bound}))
+            monkeypatch.setattr(engine, "forward_chunks", forward_chunks)
+            decoder = engine.make_decoder(model, cache, "static")
+            logits = engine.decode(model, cache, decoder, [feed[-1] for feed in feeds.values()], 0)
+        outputs.append((list(cache.lens), logits, len(calls)))
+        if bound is not None:
+            assert all(c <= bound for c in calls), calls
+    (lens, unbounded, one), (bounded_lens, bounded, many) = outputs
+    assert lens == bounded_lens == [10 + 300, 40 + 3, 0 + 120, 25 + 60]
+    assert many > one
+    assert torch.allclose(bounded, unbounded, atol=1e-4, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# 5. a failed CUDA graph capture
+
+
+@pytest.mark.parametrize("kernel,runs", [("sdpa", "the same sdpa step eagerly"), ("varlen", "masked SDPA")])
+def test_a_failed_capture_falls_back_to_the_same_step_or_to_masked_sdpa(tiny, kernel, runs, monkeypatch, capsys):
+    """The step the capture failed on runs eagerly where it can; the varlen kernel is CUDA-only, so on the CPU its
+    step really fails, and decoding falls back to masked SDPA. One line says which."""
+    model = tiny[0]
+    monkeypatch.setattr(engine, "_notes_said", set())
+    cache = engine.SlotCache(model, 4, "cpu", torch.float32, 64)
+    cache.reserve(65)
+    with torch.inference_mode(), engine.use_slot_attention(model):
+        decoder = engine.eager_fallback(model, cache, kernel, engine.batch_buckets(4),
+                                        RuntimeError("operation not permitted when stream is capturing"))
+    out = capsys.readouterr().out
+    assert out.startswith("rollout: CUDA graph capture failed (RuntimeError: operation not permitted")
+    assert runs in out
+    assert decoder.mode == "static"
+    assert decoder.kernel == "sdpa"
+    assert ("fails eagerly too" in out) == (kernel == "varlen")

@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+import engine
 import memory
 
 
@@ -66,3 +67,19 @@ def test_training_runs_on_a_thread_of_its_own_whose_errors_reach_the_caller():
     assert memory.on_training_thread("cpu", max, 2, 7) == 7
     with pytest.raises(SystemExit):  # --stop-after exits from inside SFT
         memory.on_training_thread("cpu", sys.exit, 0)
+
+
+def test_a_gpus_free_memory_counts_what_the_allocator_caches_unused(monkeypatch):
+    """After GRPO steps PyTorch's allocator keeps freed blocks: counted as taken, a rollout would decode fewer rows
+    than fit, or none. 30 GB free on the card plus 12 of the 20 GB reserved that no tensor uses: 42 GB."""
+    gb = 10 ** 9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gb, 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 20 * gb)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 8 * gb)
+    assert memory.free_memory(torch.device("cuda:0")) == 42 * gb
+    per_row = gb
+    assert memory.rows_that_fit(64, per_row, memory.free_memory(torch.device("cuda:0"))) == 39  # less the headroom
+
+
+def test_the_headroom_beside_the_cache_holds_a_prefill_at_its_bound():
+    assert memory.CACHE_HEADROOM >= 2 * engine.PREFILL_BYTES

