@@ -100,6 +100,15 @@ def stats_over_ranks(sums: dict, lows: dict, highs: dict, device):
     return dict(zip(sums, total)) | dict(zip(lows, low)) | dict(zip(highs, high))
 
 
+def all_ranks(obj) -> list:
+    """obj of every rank, in rank order ([obj] in a world of one): the object gathers of dicts and records."""
+    if world_size() == 1:
+        return [obj]
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import over_ranks, unwrap
+from distributed import all_ranks, over_ranks, unwrap
 from model import AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
 from env import load_examples, run_many
@@ -322,10 +322,7 @@ def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
         tot = over_ranks(torch.tensor([sum(ok), sum(t.num_turns for t in part), len(part)],
                                       dtype=torch.float64)).tolist()
         correct = {ex["id"]: bool(c) for ex, c in zip(examples, ok)}  # per question: paired comparisons later
-        if world > 1:
-            gathered = [None] * world
-            torch.distributed.all_gather_object(gathered, correct)
-            correct = {i: c for shard in gathered for i, c in shard.items()}
+        correct = {i: c for shard in all_ranks(correct) for i, c in shard.items()}
         out[name] = {"ex": tot[0] / max(tot[2], 1), "turns": tot[1] / max(tot[2], 1), "n": int(tot[2]),
                      "correct": correct}
     return out

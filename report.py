@@ -1,10 +1,13 @@
 """
-The record of a train.py run: metrics.jsonl (and Weights & Biases), curves.png, and at the end the table of EX after
-each stage with its intervals, the stage seconds and results.json.
+The record of a train.py run: metrics.jsonl (and Weights & Biases), rollouts.jsonl (the agent's own trajectories),
+curves.png, and at the end the table of EX after each stage with its intervals, the practice set's pass@1 before and
+after RL, the stage seconds and results.json.
 
-    python train.py --model tiny --quick     # out/quick/: metrics.jsonl, curves.png, results.json
+    python train.py --model tiny --quick     # out/quick/: metrics.jsonl, rollouts.jsonl, curves.png, results.json
 """
 import json
+
+import numpy as np
 
 from eval import paired_bootstrap, wilson_interval
 
@@ -13,23 +16,22 @@ from eval import paired_bootstrap, wilson_interval
 
 
 class Logger:
-    """metrics.jsonl (+ wandb) on rank 0. On resume, the lines written after the checkpoint are dropped, so the log
-    stays exact: `lines` is how many it held then (self.lines, saved in the checkpoint's state)."""
+    """metrics.jsonl (+ wandb) and rollouts.jsonl, the agent's own trajectories, on rank 0. On resume, the lines
+    written after the checkpoint are dropped, so both stay exact: `lines` and `rollout_lines` are how many each held
+    then (saved in the checkpoint's state)."""
 
-    def __init__(self, run_dir, args, rank, gstep, lines=None):
+    def __init__(self, run_dir, args, rank, gstep, lines=None, rollout_lines=None):
         self.on = rank == 0
         self.path = run_dir / "metrics.jsonl"
+        self.rollouts_path = run_dir / "rollouts.jsonl"
         self.wandb = None
         self.lines = 0
+        self.rollout_lines = 0
         if not self.on:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        old = self.path.read_text().splitlines() if self.path.exists() and args.resume else []
-        if lines is None:  # a checkpoint that did not count them: the lines up to its step
-            lines = sum(json.loads(line)["gstep"] <= gstep for line in old)
-        kept = old[:lines]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.lines = len(kept)
+        self.lines = cut_log(self.path, args.resume, lines, gstep)
+        self.rollout_lines = cut_log(self.rollouts_path, args.resume, rollout_lines, gstep)
         if args.wandb:
             import wandb
             self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), resume="allow")
@@ -42,16 +44,80 @@ class Logger:
             if self.wandb:
                 self.wandb.log(row, step=row["gstep"])
 
+    def rollouts(self, records):
+        """Append trajectory records (trajectory_record) to rollouts.jsonl."""
+        if self.on:
+            with open(self.rollouts_path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+            self.rollout_lines += len(records)
+
+    def counts(self):
+        """The lines each log holds, for a checkpoint's state."""
+        return {"log_lines": self.lines, "rollout_lines": self.rollout_lines}
+
     def rows(self):
-        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        return read_jsonl(self.path)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def cut_log(path, resume, lines, gstep):
+    """Keep a log's first `lines` lines on resume (a checkpoint that did not count them: those up to its step), none on
+    a fresh run; returns how many it holds."""
+    old = path.read_text().splitlines() if path.exists() and resume else []
+    if lines is None:
+        lines = sum(json.loads(line)["gstep"] <= gstep for line in old)
+    kept = old[:lines]
+    path.write_text("".join(line + "\n" for line in kept))
+    return len(kept)
+
+
+def trajectory_record(traj, reward, tokenizer, **tags):
+    """One line of rollouts.jsonl: the tags (stage, step, ...), the question, each turn's sampled text with its SQL
+    and what the environment answered, the reward's parts and the stop reason."""
+    turns = []
+    for t in range(traj.num_turns):
+        sampled = [i for i, m, turn in zip(traj.token_ids, traj.loss_mask, traj.turn_ids) if m and turn == t]
+        action = traj.episode.actions[t] if t < len(traj.episode.actions) else None
+        turns.append({"text": tokenizer.decode(sampled, skip_special_tokens=True),
+                      "sql": action.sql if action is not None else None,
+                      "observation": traj.observations[t] if t < len(traj.observations) else None})
+    parts = {k: v for k, v in reward.items() if isinstance(v, (int, float, bool)) or v is None}
+    return {**tags, "question_id": traj.example["id"], "question": traj.example["question"], "turns": turns,
+            "reward": parts, "correct": bool(reward["correct"]), "stop_reason": traj.stop_reason}
 
 # -----------------------------------------------------------------------------
 # curves.png and the end of a run
 
 
-def plot_curves(rows, path):
-    """curves.png: SFT loss over SFT steps; the RL rollouts' reward, EX and turns over RL steps; greedy EX of the
-    eval sets over global steps, the SFT -> RL switch dashed. Returns False without matplotlib."""
+def practice_passes(records):
+    """Per pass over the practice set: the mean over its questions of each one's EX and reward at its p-th visit by
+    RL, so every point covers the same questions; `reused` marks a pass holding the filter's own rollouts."""
+    visits = {}  # question -> step -> its records there
+    for r in records:
+        if r["stage"] == "rl":
+            visits.setdefault(r["question_id"], {}).setdefault(r["step"], []).append(r)
+    passes = min((len(steps) for steps in visits.values()), default=0)
+    out = []
+    for p in range(passes):
+        at_visit = [steps[sorted(steps)[p]] for steps in visits.values()]  # one list of records per question
+        out.append({"pass": p + 1, "questions": len(at_visit),
+                    "ex": mean([mean([r["correct"] for r in recs]) for recs in at_visit]),
+                    "reward": mean([mean([r["reward"]["full"] for r in recs]) for recs in at_visit]),
+                    "reused": any(r.get("reused_filter_draws") for recs in at_visit for r in recs)})
+    return out
+
+
+def mean(values):
+    return sum(values) / len(values) if values else 0.0
+
+
+def plot_curves(rows, passes, before_after, path):
+    """curves.png: SFT loss; the RL rollouts' reward and EX per step and per pass over the practice set (a hollow
+    marker where the point holds the filter's own rollouts); before and after RL, the practice set's pass@1 and the
+    eval sets' greedy EX with 95 % intervals; turns per RL trajectory. Returns False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -60,9 +126,8 @@ def plot_curves(rows, path):
         return False
     sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
     rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
-    ev = [r for r in rows if any(k.endswith("_ex") for k in r)]
     rl_steps = [r["step"] for r in rl]
-    fig, ax = plt.subplots(1, 4, figsize=(17, 3.8))
+    fig, ax = plt.subplots(1, 5, figsize=(22, 3.8))
     ax[0].plot([r["step"] for r in sft], [r["loss"] for r in sft])
     ax[0].set(title="SFT", xlabel="SFT step", ylabel="masked NLL per agent token")
     # markers: a one-step RL run draws no line
@@ -70,27 +135,77 @@ def plot_curves(rows, path):
     if rl and "reward_schema" in rl[0]:
         ax[1].plot(rl_steps, [r["reward_schema"] for r in rl], "o-", label="reward (schema track)")
     ax[1].plot(rl_steps, [r["ex"] for r in rl], "o-", label="EX of the rollouts")
-    ax[1].set(title="RL rollouts (mean per step)", xlabel="RL step", ylabel="reward / EX")
+    reused = [r["step"] for r in rl if r.get("reused_filter_draws")]
+    if reused:
+        ax[1].plot(reused, [r["ex"] for r in rl if r.get("reused_filter_draws")], "o", mfc="white", color="gray",
+                   label="the filter's own rollouts")
+    ax[1].set(title="RL rollouts, mean per step (other questions each step)", xlabel="RL step", ylabel="reward / EX")
     ax[1].legend(fontsize=8)
-    for key in ("dev_ex", "test_ex", "spider_ex"):  # the evals after each stage (and every --eval-every steps)
-        pts = [(r["gstep"], 100 * r[key]) for r in ev if key in r]
-        if pts:
-            ax[2].plot(*zip(*pts), "o-", label=key[:-3])
-            for p in pts:
-                ax[2].annotate(f"{p[1]:.0f}", p, textcoords="offset points", xytext=(0, 5), ha="center", fontsize=8)
-    ax[2].set(title="greedy EX", xlabel="global step (SFT, then RL)", ylabel="EX (%)")
-    if ev:
-        ax[2].legend(fontsize=8)
-    if sft and rl:
-        ax[2].axvline(sft[-1]["gstep"] + 0.5, color="gray", ls="--", lw=0.8)
-    ax[3].plot(rl_steps, [r["turns"] for r in rl], "o-")
-    ax[3].set(title="RL rollouts", xlabel="RL step", ylabel="turns per trajectory")
+    for key, label in (("ex", "EX"), ("reward", "reward")):
+        xs = [p["pass"] for p in passes]
+        ax[2].plot(xs, [p[key] for p in passes], "o-", label=label)
+        for p in passes:
+            if p["reused"]:
+                ax[2].plot(p["pass"], p[key], "o", mfc="white", color="gray")
+    n = passes[0]["questions"] if passes else 0
+    ax[2].set(title=f"RL rollouts, mean per pass over the {n} practice questions", xlabel="pass",
+              ylabel="reward / EX")
+    if passes:
+        ax[2].set_xticks([p["pass"] for p in passes])
+        ax[2].legend(fontsize=8, title="hollow: holds the filter's rollouts", title_fontsize=7)
+    for i, (name, sides) in enumerate(before_after.items()):
+        for j, (side, (value, low, high)) in enumerate(sides.items()):
+            x = i + (j - 0.5) * 0.35
+            ax[3].bar(x, value, 0.35, color=f"C{j}", label=side if i == 0 else None)
+            ax[3].errorbar(x, value, [[value - low], [high - value]], color="black", capsize=3)
+    ax[3].set_xticks(range(len(before_after)), list(before_after))
+    ax[3].set(title="after SFT and after RL (95 % intervals)", ylabel="pass@1 / greedy EX")
+    if before_after:
+        ax[3].legend(fontsize=8)
+    ax[4].plot(rl_steps, [r["turns"] for r in rl], "o-")
+    ax[4].set(title="RL rollouts", xlabel="RL step", ylabel="turns per trajectory")
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def practice_stats(practice):
+    """The practice set's pass@1 after SFT and after RL, each with a normal 95 % interval over questions, and RL - SFT
+    with a 95 % paired bootstrap interval over questions; per question, both values."""
+    ids = sorted(practice["sft"])
+    before = [practice["sft"][i] for i in ids]
+    after = [practice["rl"][i] for i in ids]
+    sides = {}
+    for tag, values in (("sft", before), ("rl", after)):
+        spread = 1.96 * float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+        sides[tag] = {"pass1": mean(values), "normal_95": (mean(values) - spread, mean(values) + spread)}
+    return {"n": len(ids), **sides, "gain": mean(after) - mean(before), "bootstrap_95": paired_bootstrap(before, after),
+            "questions": {i: {"sft": b, "rl": a} for i, b, a in zip(ids, before, after)}}
+
+
+def turned_around(records, stats, width=110):
+    """Lines showing one practice question RL turned from mostly wrong to mostly right: its question, and a wrong
+    sample after SFT and a right one after RL, turn by turn (SQL, then the first line of what the database said)."""
+    moved = [(q["rl"] - q["sft"], i) for i, q in stats["questions"].items() if q["sft"] < 0.5 < q["rl"]]
+    if not moved:
+        return []
+    question = max(moved)[1]
+    mine = [r for r in records if r["stage"] == "practice" and r["question_id"] == question]
+    wrong = next(r for r in mine if r["after"] == "sft" and not r["correct"])
+    right = next(r for r in mine if r["after"] == "rl" and r["correct"])
+    q = stats["questions"][question]
+    lines = [f"a practice question RL turned around (pass@1 {q['sft']:.2f} -> {q['rl']:.2f}): {wrong['question']}"]
+    for label, record in (("after SFT, wrong", wrong), ("after RL, right", right)):
+        lines.append(f"  {label}:")
+        for t, turn in enumerate(record["turns"], 1):
+            said = " ".join((turn["sql"] or turn["text"]).split())
+            lines.append(f"    {t}. {said}"[:width])
+            if turn["observation"]:
+                lines.append(f"       -> {turn['observation'].strip().splitlines()[0]}"[:width])
+    return lines
 
 
 def ex_intervals(evals):
@@ -111,8 +226,9 @@ def ex_intervals(evals):
     return out
 
 
-def report(run_dir, evals, times, log):
-    """The end of a train.py run: EX after each stage with 95 % intervals, RL's gain with a paired interval, stage
+def report(run_dir, evals, times, log, practice=None):
+    """The end of a train.py run: EX after each stage with 95 % intervals, RL's gain with a paired interval, the
+    practice set's pass@1 before and after RL with its paired interval and one question RL turned around, stage
     seconds, results.json and curves.png."""
     names = list(next(iter(evals.values()), {}))
     stats = ex_intervals(evals)
@@ -127,9 +243,25 @@ def report(run_dir, evals, times, log):
         lo, hi = g["bootstrap_95"]
         print(f"RL - SFT on {name}: {100 * g['gain']:+.1f} points (95 % paired bootstrap [{100 * lo:+.1f}, "
               f"{100 * hi:+.1f}])")
+    before_after = {}
+    if practice and "sft" in practice and "rl" in practice:
+        stats["practice"] = practice_stats(practice)
+        p = stats["practice"]
+        lo, hi = p["bootstrap_95"]
+        print(f"practice set ({p['n']} training questions RL practised): pass@1 {p['sft']['pass1']:.2f} after SFT, "
+              f"{p['rl']['pass1']:.2f} after RL; RL - SFT {p['gain']:+.2f} (95 % paired bootstrap [{lo:+.2f}, "
+              f"{hi:+.2f}])")
+        for line in turned_around(read_jsonl(log.rollouts_path), p):
+            print(line)
+        before_after["practice"] = {tag: (p[tag]["pass1"], *p[tag]["normal_95"]) for tag in ("sft", "rl")}
+    for name in names:
+        if all(tag in stats and name in stats[tag] for tag in ("sft", "rl")):
+            before_after[name] = {tag: (stats[tag][name]["ex"], *stats[tag][name]["wilson_95"]) for tag in ("sft", "rl")}
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
-    if plot_curves(log.rows(), run_dir / "curves.png"):
+    passes = practice_passes(read_jsonl(log.rollouts_path))
+    if plot_curves(log.rows(), passes, before_after, run_dir / "curves.png"):
         print(f"wrote {run_dir / 'curves.png'}")
-    (run_dir / "results.json").write_text(json.dumps({**evals, "intervals": stats, "seconds": times}, indent=1))
+    results = {**evals, "intervals": stats, "practice_passes": passes, "seconds": times}
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1))
     if log.wandb:
         log.wandb.finish()

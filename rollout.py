@@ -51,6 +51,7 @@ class Trajectory:
     num_tool_calls: int
     stop_reason: str              # answer | max_turns | max_tokens | context
     turn_times: list[float] = field(default_factory=list)  # wall seconds of each turn (decode + tool + obs)
+    observations: list[str] = field(default_factory=list)  # what the environment answered each ended turn
 
 # -----------------------------------------------------------------------------
 # Chat template pieces: prompt, end-of-turn and observation tokens, all derived from the tokenizer's template
@@ -147,14 +148,15 @@ def _finish(row, reason, cut_turn=False):
 @torch.inference_mode()
 def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_new_tokens, max_total_tokens,
             temperature, top_p, schema_mode, seed, force=None, sql_workers=4, max_rows=None, bar=None,
-            decode="auto"):
+            decode="auto", draw_keys=None):
     """Roll out group_size episodes per example; returns Trajectories group-major (example i -> rows i*G..i*G+G-1).
     max_rows: at most this many rows decode at once; a finished row's cache slot goes to the next waiting row
     (continuous batching), so a batch never waits for its longest row while others queue. bar: a tqdm advanced by
     one per finished row. force: optional test/benchmark hook (row, turn, tokens sampled so far this turn) -> token
     id or None; a token overrides the sampled one (a scripted policy), and its recorded log-prob is still the
     model's log-prob of it. decode: how the engine runs its decode step (engine.make_decoder); "auto" replays CUDA
-    graphs on a GPU."""
+    graphs on a GPU. draw_keys: per row (group-major), the key its sampling draws hash with the seed and the token's
+    position (default: the row's index), e.g. a question and sample that two rollouts must draw alike."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
     proto = protocols.get(protocol)
@@ -174,6 +176,9 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             rows.append(_Row(traj, list(prompt), len(prompt), t0))
             if len(prompt) >= max_total_tokens:
                 _finish(rows[-1], "context")
+    keys = list(range(len(rows))) if draw_keys is None else list(draw_keys)
+    if len(keys) != len(rows):
+        raise ValueError(f"draw_keys has {len(keys)} keys for {len(rows)} rows")
     waiting = [r for r, row in enumerate(rows) if not row.traj.stop_reason][::-1]  # popped from the end
     if not waiting:
         return [row.traj for row in rows]
@@ -225,8 +230,8 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
             feeds = [None if r is None else rows[r].feed[-1] for r in active]
             logits = engine.decode(model, cache, decoder, feeds, pad)
             u = None
-            if temperature > 0:  # row r's token at position n draws hash(seed, r, n): its own, whatever its neighbours
-                u = engine.uniforms(seed, [-1 if r is None else r for r in active],
+            if temperature > 0:  # row r's token at position n draws hash(seed, key r, n), whatever its neighbours
+                u = engine.uniforms(seed, [-1 if r is None else keys[r] for r in active],
                                     [0 if r is None else len(rows[r].traj.token_ids) for r in active], param.device)
             tokens, logp = engine.sample(logits, temperature, top_p, u)  # (A,), (A, V)
             tokens = tokens.tolist()
@@ -263,6 +268,7 @@ def rollout(model, tokenizer, examples, protocol, *, group_size, max_turns, max_
                 turn = traj.num_turns
                 last = traj.token_ids[-1]
                 observation, done = env.step(traj.episode, text, next(results) if sql is not None else None)
+                traj.observations.append(observation)
                 traj.num_turns += 1
                 # close the assistant message exactly as the template does (a sampled eos is its first token)
                 extra = bits.close_ids[1:] if last == bits.close_ids[0] else list(bits.close_ids)

@@ -39,13 +39,13 @@ import memory
 import protocols
 import rollout
 from data.spider.prepare import spider_sample
-from distributed import barrier, distribute, over_ranks, setup_distributed, shard
+from distributed import all_ranks, barrier, distribute, over_ranks, setup_distributed, shard
 from eval import evaluate_ex, run_agent, trained_settings
 from grpo import GRPOConfig, advantages, group_signal, grpo_step
 from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, checkpoint_dir, latest_checkpoint, load_model,
                    load_trainer_state, load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint,
                    write_state)
-from report import Logger, report
+from report import Logger, report, trajectory_record
 from rewards import REWARDS, difficulty_score, turn_budget
 from sft import AgentTokenLoss, agent_tokens, load_sft_data, pad_batch
 
@@ -90,14 +90,16 @@ RECIPES = {
                   eps_low=0.2, eps_high=0.2, traj_filter=0, stage="rl"),
 }
 # --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
-# paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and answers. RL sees only
-# questions SFT sometimes solves (S(q) over 4 rollouts of 96; docs/experiments.md): 48 of them, 8 per GRPO step, six
-# steps, each once. One sequence per forward + backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
+# paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and answers. RL practises a
+# fixed set of training questions that SFT solves sometimes but not always (4 rollouts each of 128 candidates), 8 per
+# GRPO step, each twice, and measures them before and after with draws of their own. One sequence per forward +
+# backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_steps=6, rl_batch_size=8, ppo_mini_batches=1,
-            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=96, filter_top_n=48,
-            filter_unsolved_n=0, eval_limit=100, spider_limit=50, ckpt_every=0, eval_batch_size=128)
+            sft_lr=1e-4, warmup_ratio=0.05, rl_epochs=2, rl_batch_size=8, ppo_mini_batches=1,
+            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=128, filter_top_n=0,
+            filter_pass_rate=1.0, filter_solved_once=True, filter_unsolved_n=0, practice_k=4, dynamic_sampling=0,
+            eval_limit=100, spider_limit=0, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
 QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
              rl_steps=2, sft_batch_size=4, rl_batch_size=2, ppo_mini_batches=1, group_size=2, teacher_limit=16,
@@ -211,6 +213,12 @@ def get_parser(add_help=True):
                         "kept groups are RL's first batch")
     p.add_argument("--filter-limit", type=cli.nonneg_int, default=0,
                    help="candidate questions for the filter (0 = all)")
+    p.add_argument("--filter-solved-once", action="store_true",
+                   help="keep only questions a filter rollout solved; with --filter-pass-rate 1: those solved sometimes"
+                        " but not always (the demo's practice set)")
+    p.add_argument("--practice-k", type=cli.nonneg_int, default=0,
+                   help="samples per RL question for pass@1 on RL's own questions after SFT and after RL, the same "
+                        "draws both times (0 = off)")
     # optimisation
     p.add_argument("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
@@ -365,19 +373,16 @@ def rollout_kwargs(args, **over):
                 schema_mode=args.schema_mode) | over
 
 
-def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_size, **rollout_kw):
+def pass_rates(model, tokenizer, examples, reward_fn, rank, world, k, *, batch_size, desc="filter", **rollout_kw):
     """{id: fraction of k sampled rollouts that reward_fn scores correct} over all ranks' examples: the difficulty
     filters' pass@k estimate (TRUST App. A.3, SQL-Trail eq. 13), one continuous batch per rank. Also this rank's
     trajectories and reward dicts (group-major, k per example), which are on-policy groups RL can train on."""
     with torch.no_grad():
-        trajs, _ = run_agent(model, tokenizer, examples, desc="filter", batch_size=batch_size, **rollout_kw)
+        trajs, _ = run_agent(model, tokenizer, examples, desc=desc, batch_size=batch_size, **rollout_kw)
     rewards = [reward_fn(t, t.example) for t in trajs]
     rates = {ex["id"]: float(np.mean([r["correct"] for r in rewards[i * k:(i + 1) * k]]))
              for i, ex in enumerate(examples)}
-    if world > 1:
-        gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, rates)
-        rates = {i: r for part in gathered for i, r in part.items()}
+    rates = {i: r for part in all_ranks(rates) for i, r in part.items()}
     return rates, trajs, rewards
 
 
@@ -393,8 +398,9 @@ def difficulty_filter(policy, tokenizer, examples, args, rank, world):
                                        batch_size=args.eval_batch_size, seed=args.seed * 7919 + rank,
                                        protocol=args.protocol, **rollout_kwargs(args, group_size=k))
     pool = select_rl_pool(examples, rates, args)
-    rule = (f"S(q) top {args.filter_top_n} + {args.filter_unsolved_n} unsolved" if args.filter_top_n else
-            f"pass rate < {args.filter_pass_rate}")
+    rule = f"{'0 < ' if args.filter_solved_once else ''}pass rate < {args.filter_pass_rate}"
+    if args.filter_top_n:
+        rule = f"S(q) top {args.filter_top_n} + {args.filter_unsolved_n} unsolved"
     if rank == 0:
         print(f"difficulty filter: kept {len(pool)}/{len(examples)} by {rule} over {args.filter_k} rollouts")
     if not pool:
@@ -425,12 +431,33 @@ def rl_order(pool, first, args):
     return [ex if ex is not None else next(rest) for ex in slots]
 
 
+PRACTICE_KEYS = 2 ** 40  # the practice measurement's draw keys start here, past any row index a rollout has
+
+
+def measure_practice(policy, tokenizer, pool, args, rank, world, tag):
+    """pass@1 of each of RL's questions, {id: fraction of --practice-k samples at the RL temperature that are correct},
+    and this rank's trajectory records for rollouts.jsonl. Sample j of pool question i draws with key PRACTICE_KEYS +
+    i * k + j under the run's seed, whatever rank or row decodes it: after SFT and after RL the same draws (a paired
+    measurement), and no draw of the filter's or RL's, whose keys are row indices."""
+    k = args.practice_k
+    keys = [PRACTICE_KEYS + i * k + j for i in range(rank, len(pool), world) for j in range(k)]
+    rates, trajs, rewards = pass_rates(policy, tokenizer, pool[rank::world], REWARDS[args.reward], rank, world, k,
+                                       batch_size=args.eval_batch_size, desc=f"practice ({tag})", seed=args.seed,
+                                       draw_keys=keys, protocol=args.protocol, **rollout_kwargs(args, group_size=k))
+    records = [trajectory_record(t, r, tokenizer, stage="practice", after=tag, sample=j % k)
+               for j, (t, r) in enumerate(zip(trajs, rewards))]
+    return rates, records
+
+
 def select_rl_pool(examples, rates, args):
-    """TRUST App. A.3: keep pass rate < --filter-pass-rate. SQL-Trail A.6 (--filter-top-n N): rank by the difficulty
+    """TRUST App. A.3: keep pass rate < --filter-pass-rate (and > 0 with --filter-solved-once). SQL-Trail A.6 (--filter-top-n N): rank by the difficulty
     score S(q) = rate if 0 < rate < 1 else 1 (eq. 13), keep the N lowest (hard but solvable), plus the first
     --filter-unsolved-n never-solved questions as its exploration set."""
     if not args.filter_top_n:
-        return [ex for ex in examples if rates[ex["id"]] < args.filter_pass_rate]
+        kept = [ex for ex in examples if rates[ex["id"]] < args.filter_pass_rate]
+        if args.filter_solved_once:
+            kept = [ex for ex in kept if rates[ex["id"]] > 0]
+        return kept
     ranked = sorted(examples, key=lambda ex: difficulty_score(rates[ex["id"]]))  # stable sort: ties keep data order
     keep = {ex["id"] for ex in ranked[: args.filter_top_n]}
     unsolved = [ex["id"] for ex in examples if rates[ex["id"]] == 0 and ex["id"] not in keep]
@@ -559,7 +586,8 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         idx = rl_batch(len(pool), args, step)
         mine = [pool[i] for i in idx[rank::world]]  # whole groups stay on one rank
         t0 = time.perf_counter()
-        if step == 0 and warm is not None:
+        reused = step == 0 and warm is not None  # the filter's own rollouts of these questions
+        if reused:
             trajs, rewards = warm
             ds = {}
         else:
@@ -578,7 +606,10 @@ def train_rl(model, tokenizer, pool, args, ctx, state, ckpt, warm=None):
         times = {"rollout": t1 - t0, "update": time.perf_counter() - t1}
         state["step"] = step + 1
         state["gstep"] += 1
-        row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": lr,
+        records = [trajectory_record(t, r, tokenizer, stage="rl", step=step + 1, gstep=state["gstep"],
+                                     reused_filter_draws=reused) for t, r in zip(trajs, rewards)]
+        log.rollouts([r for part in all_ranks(records) for r in part])
+        row = {"stage": "rl", "step": step + 1, "gstep": state["gstep"], "lr": lr, "reused_filter_draws": reused,
                **rollout_metrics(trajs, rewards), **{f"time_{k}": v for k, v in times.items()}, **ds,
                **{k: v for k, v in gm.items() if isinstance(v, (int, float, bool))}}  # grpo's: already global
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.rl_steps:
@@ -701,7 +732,8 @@ def main(argv=None):
 
     # --- resume: the latest checkpoint's state decides which stage and step we are at
     ckpt = latest_checkpoint(run_dir) if args.resume else None
-    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "rl_pool": None, "refill": 0, "log_lines": None}
+    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "practice": {}, "rl_pool": None, "refill": 0,
+             "log_lines": None, "rollout_lines": None}
     if ckpt is not None:
         saved = json.loads((ckpt / "state.json").read_text())
         state.update({k: v for k, v in saved.items() if k in state}, gstep=saved["global_step"])
@@ -740,12 +772,12 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
     autocast = functools.partial(torch.autocast, torch.device(device).type, torch.bfloat16) if bf16 else nullcontext
     wrap = distribute(model, args.fsdp, world, device, bf16, args.compile)  # SFT's loss: wrap (DDP); RL: the model
 
-    log = Logger(run_dir, args, rank, state["gstep"], state["log_lines"])
+    log = Logger(run_dir, args, rank, state["gstep"], state["log_lines"], state["rollout_lines"])
 
     def maybe_save(opt, sched, final=False):
         due = args.ckpt_every and state["gstep"] % args.ckpt_every == 0
         if due or final:
-            state["log_lines"] = log.lines
+            state.update(log.counts())
             save_checkpoint(run_dir, state["gstep"], model, tokenizer, opt, sched, state, args, rank, world)
         if args.stop_after and state["gstep"] == args.stop_after:
             if master:
@@ -783,10 +815,28 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
                  **{f"{name}_ex": e[name]["ex"] for name in e}})
         if master:
             print(f"[{tag}] " + "  ".join(f"{name} EX {100 * e[name]['ex']:.1f}% ({e[name]['n']})" for name in e))
+        keep_in_last_checkpoint()
+
+    def keep_in_last_checkpoint():
+        """The stage's last checkpoint keeps what was measured after it (its state is written again): a resume
+        skips the measurement."""
         ckpt_dir = checkpoint_dir(run_dir, state["gstep"])
-        if master and ckpt_dir.exists():  # the stage's last checkpoint keeps its evaluation: a resume skips it
-            state["log_lines"] = log.lines
+        if master and ckpt_dir.exists():
+            state.update(log.counts())
             write_state(ckpt_dir, state, state["gstep"], args)
+
+    def record_practice(tag, pool):
+        """pass@1 of RL's questions after a stage (measure_practice), its records in rollouts.jsonl."""
+        if tag in state["practice"]:
+            return
+        rates, records = timed("practice", measure_practice, policy(), tokenizer, pool, args, rank, world, tag)
+        state["practice"][tag] = rates
+        log.rollouts([r | {"gstep": state["gstep"]} for part in all_ranks(records) for r in part])
+        pass1 = float(np.mean(list(rates.values())))
+        log.log({"stage": "practice", "after": tag, "step": state["step"], "gstep": state["gstep"],
+                 "practice_pass1": pass1})
+        if master:
+            print(f"[{tag}] practice pass@1 {pass1:.2f} ({len(rates)} questions x {args.practice_k} samples)")
 
     # --- stage 1: SFT on teacher (or any) trajectories
     if "sft" in stages and state["stage"] == "sft":
@@ -830,13 +880,18 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
             if master:
                 print(f"rl: {args.rl_epochs:g} epochs of {len(pool):,} questions at batch {args.rl_batch_size}: "
                       f"{args.rl_steps} steps")
+        if args.practice_k and state["step"] == 0:  # after SFT; a resume from there measures again, the same draws
+            record_practice("sft", pool)
         timed("rl", train_rl, model, tokenizer, pool, args, ctx, state,
               ckpt if ckpt is not None and state["step"] else None, warm)
+        if args.practice_k:
+            record_practice("rl", pool)
+            keep_in_last_checkpoint()
         record_eval("rl")
 
     # --- report: the EX table, stage seconds, results.json and curves.png
     if master:
-        report(run_dir, state["evals"], times, log)
+        report(run_dir, state["evals"], times, log, state["practice"])
     return state
 
 

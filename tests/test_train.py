@@ -51,7 +51,8 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
 
 def test_the_demo_takes_skyrls_reward_under_the_trust_recipe_and_no_other():
     demo = train.get_args([])  # smollm2 and the trust recipe: the demo's reward, its sizes
-    assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 96, 48, 8)
+    assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 128, 0, 8)
+    assert (demo.filter_pass_rate, demo.filter_solved_once, demo.practice_k, demo.spider_limit) == (1.0, True, 4, 0)
     assert train.get_args(["--recipe", "trail"]).reward == "trail"  # the demo's sizes, the paper's reward
     assert train.get_args(["--model", "tiny"]).reward == "trust"  # no demo: the recipe's reward
     assert train.get_args(["--reward", "trust"]).reward == "trust"  # explicit beats the demo
@@ -64,8 +65,8 @@ def test_training_length_in_the_papers_units_and_steps_from_above_win():
     trail = train.get_args(["--recipe", "trail", "--model", "tiny"])  # A.5: SFT 2 epochs, RL reported at step 108
     assert (trail.sft_epochs, trail.rl_epochs, trail.rl_steps) == (2, 0, 108)
     assert train.get_args(["--model", "tiny", "--sft-steps", "7"]).sft_epochs == 0  # typed steps win
-    demo = train.get_args([])  # the demo's own steps win over the recipe's epochs
-    assert (demo.sft_epochs, demo.sft_steps, demo.rl_epochs, demo.rl_steps, demo.ppo_mini_batches) == (0, 48, 0, 6, 1)
+    demo = train.get_args([])  # the demo's SFT steps win over the recipe's epochs; RL: two passes over its questions
+    assert (demo.sft_epochs, demo.sft_steps, demo.rl_epochs, demo.ppo_mini_batches) == (0, 48, 2, 1)
 
 
 def test_sft_epochs_become_whole_steps_over_the_sft_data(tmp_path):
@@ -420,17 +421,24 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, quick_run):
     sft = {n: [r["loss"] for r in rows[n] if r["stage"] == "sft"] for n in rows}
     assert len(sft["two"]) == 2 and sft["two"] == pytest.approx(sft["one"], rel=1e-4)
     assert [r["step"] for r in rows["two"] if r["stage"] == "rl"] == [1, 2]
-    assert set(json.loads((tmp_path / "two" / "results.json").read_text())) == {"sft", "rl", "intervals", "seconds"}
+    assert set(json.loads((tmp_path / "two" / "results.json").read_text())) == \
+        {"sft", "rl", "intervals", "practice_passes", "seconds"}
+    trajectories = {n: [json.loads(line) for line in (d / "rollouts.jsonl").read_text().splitlines()]
+                    for n, d in (("one", quick_run), ("two", tmp_path / "two"))}
+    assert len(trajectories["two"]) == len(trajectories["one"]) > 0  # every rank's, gathered into rank 0's file
 
 
 def test_sql_trail_difficulty_score_keeps_hard_but_solvable_then_unsolved():
     examples = [{"id": c} for c in "abcdef"]
     rates = {"a": 1.0, "b": 1 / 6, "c": 0.0, "d": 0.5, "e": 0.0, "f": 5 / 6}
-    args = SimpleNamespace(filter_top_n=2, filter_unsolved_n=1, filter_pass_rate=0.75)
+    args = SimpleNamespace(filter_top_n=2, filter_unsolved_n=1, filter_pass_rate=0.75, filter_solved_once=False)
     # S(q) (eq. 13): a 1, b 1/6, c 1, d 1/2, e 1, f 5/6 -> the 2 lowest are b and d; exploration: the first unsolved
     assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "c", "d"]
     args.filter_top_n = 0  # TRUST App. A.3: pass rate < 6/8
     assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "c", "d", "e"]
+    args.filter_pass_rate = 1.0  # the demo's practice set: solved sometimes, not always
+    args.filter_solved_once = True
+    assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "d", "f"]
 
 
 def _fake_rollouts(monkeypatch, signal):
