@@ -242,7 +242,7 @@ def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, 
 
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     args = QUICK + ["--sft-steps", "2", "--rl-steps", "2", "--filter-k", "2", "--filter-limit", "2",
-                    "--filter-pass-rate", "1.01", "--eval-limit", "1", "--max-new-tokens", "12"]
+                    "--filter-pass-rate", "1.01", "--eval-limit", "1", "--max-new-tokens", "12", "--practice-k", "2"]
     train.main(args + ["--out-dir", str(tmp_path / "a")])
     with pytest.raises(SystemExit):  # "killed" right after the checkpoint at global step 3 (RL step 1)
         train.main(args + ["--out-dir", str(tmp_path / "b"), "--stop-after", "3"])
@@ -257,6 +257,10 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
         return [{k: v for k, v in json.loads(l).items() if not k.startswith("time")}
                 for l in (p / "quick" / "metrics.jsonl").read_text().splitlines()]
     assert strip(tmp_path / "a") == strip(tmp_path / "b")
+
+    def trajectories(p):
+        return (p / "quick" / "rollouts.jsonl").read_text()
+    assert trajectories(tmp_path / "a") == trajectories(tmp_path / "b")  # each RL step and measurement once
     assert len(list((tmp_path / "b" / "quick").glob("ckpt-*"))) == 2  # keep last K
     assert not list((tmp_path / "b" / "quick").glob(".tmp-*"))
 
@@ -282,6 +286,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     for k in wa:
         assert torch.equal(wa[k], wc[k]), k
     assert strip(tmp_path / "a") == strip(tmp_path / "c")
+    assert trajectories(tmp_path / "a") == trajectories(tmp_path / "c")
 
 # -----------------------------------------------------------------------------
 # a run never deletes what it did not write
