@@ -32,9 +32,12 @@ class Logger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.lines = cut_log(self.path, args.resume, lines, gstep)
         self.rollout_lines = cut_log(self.rollouts_path, args.resume, rollout_lines, gstep)
-        if args.wandb:
+        if args.wandb:  # a resumed run continues its W&B run: the id is kept in the run folder
             import wandb
-            self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), resume="allow")
+            id_file = run_dir / "wandb_id"
+            run_id = id_file.read_text().strip() if args.resume and id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id + "\n")
+            self.wandb = wandb.init(project="sqlrl", name=args.run_name, config=vars(args), id=run_id, resume="allow")
 
     def log(self, row):
         if self.on:

@@ -7,12 +7,12 @@ Train a text-to-SQL agent: SFT warm-up on multi-turn trajectories, then multi-tu
         --sft-data out/teacher/spider_trail.jsonl --dev-data data/spider/dev.jsonl
     torchrun --nproc_per_node=8 train.py --recipe trust --model Qwen/Qwen3-4B --data ... --fsdp
 
-A recipe (--recipe trust|trail|mtir|skyrl) is a dict of flag defaults taken from its paper; explicit flags win.
+A recipe (--recipe trust|trail|mtir|skyrl) is a dict of flag defaults taken from its paper, a preset (--preset demo)
+the sizes of a setting; explicit flags win (config.py).
 Checkpoints (out/<run-name>/ckpt-XXXXXX; the default run name is run-<date>-<time>) are save_pretrained folders plus
 optimizer/scheduler/RNG/data position; --resume continues the latest one exactly. A new run refuses a folder that
 holds checkpoints (pass --resume, another --run-name or --overwrite): it never deletes what it did not write.
 """
-import argparse
 import copy
 import functools
 import json
@@ -34,6 +34,7 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 import cli
+import config
 import env
 import memory
 import protocols
@@ -42,273 +43,13 @@ from data.spider.prepare import spider_sample
 from distributed import all_ranks, barrier, distribute, over_ranks, setup_distributed, shard
 from eval import evaluate_ex, run_agent, trained_settings
 from grpo import GRPOConfig, advantages, group_signal, grpo_step
-from model import (AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, checkpoint_dir, latest_checkpoint, load_model,
-                   load_trainer_state, load_weights, replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint,
-                   write_state)
+from model import (TORCH_DTYPES, checkpoint_dir, latest_checkpoint, load_model, load_trainer_state, load_weights,
+                   replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint, write_state)
 from report import Logger, report, trajectory_record
 from rewards import REWARDS, difficulty_score, turn_budget
 from sft import AgentTokenLoss, agent_tokens, load_sft_data, pad_batch
 
-ROOT = Path(__file__).resolve().parent
-
 hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
-
-# -----------------------------------------------------------------------------
-# recipes: plain dicts of flag defaults from each paper (explicit flags override them)
-
-# Each recipe sets what its paper states (the section is in the comment). Batch sizes count prompts per step (verl's
-# train_batch_size): no paper says prompts or trajectories. No paper gives the clip range (SQL-Trail eq. 2 only has
-# ε_low < ε_high): 0.2 / 0.28 are DAPO's values, our choice for the clip-higher recipes.
-RECIPES = {
-    # TRUST-SQL, Qwen3-4B: unknown schema (§4.2), λ 0.25 (§3.4, §5.1); Table 8: SFT lr 1e-5, batch 256, 2 epochs; RL
-    # lr 1e-6, batch 32, 3 epochs, G 8, 10 turns; App. A.3: keep pass rate < 6/8 over 8 rollouts. Its RL temperature
-    # is not stated. 4 optimizer steps per rollout batch are ours, so that our clip-higher acts.
-    "trust": dict(protocol="trust", reward="trust", schema_mode="none", schema_lambda=0.25, max_turns=10,
-                  group_size=8, sft_lr=1e-5, sft_batch_size=256, sft_epochs=2, rl_lr=1e-6, rl_batch_size=32,
-                  rl_epochs=3, ppo_mini_batches=4, filter_k=8, filter_pass_rate=0.75, eps_low=0.2, eps_high=0.28,
-                  traj_filter=0, stage="both"),
-    # SQL-Trail: schema in the prompt (App. A.8), no KL, clip-higher against "the policy before the update step"
-    # (§3.3.1); A.5: SFT lr 1e-5, batch 128, 2 epochs, betas (0.9, 0.95), warm-up 0.1, cosine; RL lr 1e-6, batch 128,
-    # G 6, 10 turns, T 1.0, top-p 0.99, reported at step 108; A.6: 700 questions by S(q) over 6 rollouts + 327
-    # unsolved; Alg. 1 line 31: a forced final answer. The 4 optimizer steps per rollout batch are ours.
-    "trail": dict(protocol="trail", reward="trail", schema_mode="prompt", schema_lambda=0.0, max_turns=10,
-                  group_size=6, sft_lr=1e-5, sft_batch_size=128, sft_epochs=2, rl_lr=1e-6, rl_batch_size=128,
-                  rl_steps=108, ppo_mini_batches=4, temperature=1.0, top_p=0.99, filter_k=6, filter_top_n=700,
-                  filter_unsolved_n=327, force_final_answer=1, eps_low=0.2, eps_high=0.28, traj_filter=0,
-                  stage="both"),
-    # MTIR-SQL, Qwen3-4B (§4.1): no SFT, schema in the prompt, RL lr 1e-6, batch 64, G 5, T 0.6, 6 turns; no KL and
-    # a trajectory filter (§3.1, eq. 3); no clip-higher, and one optimizer step per batch (GRPO as eq. 2 writes it).
-    # Its length is not stated: the parser's 200 steps.
-    "mtir": dict(protocol="mtir", reward="mtir", schema_mode="prompt", schema_lambda=0.0, max_turns=6, group_size=5,
-                 rl_lr=1e-6, rl_batch_size=64, temperature=0.6, filter_k=0, eps_low=0.2, eps_high=0.2, traj_filter=1,
-                 stage="rl"),
-    # SkyRL-SQL, Qwen2.5-Coder-7B-Instruct (§5): no SFT, full schema in the prompt, RL lr 1e-6, batch 256, 35 steps,
-    # G 5, T 0.6, top-p 0.95, 5 turns (§5; §4 says 4 for its other runs); the -1 / 0 / 1 reward (§4.1); one
-    # optimizer step per batch
-    "skyrl": dict(protocol="skyrl", reward="skyrl", schema_mode="prompt", schema_lambda=0.0, max_turns=5,
-                  group_size=5, rl_lr=1e-6, rl_batch_size=256, rl_steps=35, temperature=0.6, top_p=0.95, filter_k=0,
-                  eps_low=0.2, eps_high=0.2, traj_filter=0, stage="rl"),
-}
-# --model smollm2 (the default): the demo's sizes on top of the recipe, for a 2-core CPU. A short system prompt (the
-# paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and answers. RL practises a
-# fixed set of training questions that SFT solves sometimes but not always (4 rollouts each of 128 candidates), 8 per
-# GRPO step, each twice, and measures them before and after with draws of their own. One sequence per forward +
-# backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
-DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
-            max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
-            sft_lr=1e-4, warmup_ratio=0.05, rl_epochs=2, rl_batch_size=8, ppo_mini_batches=1,
-            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=128, filter_top_n=0,
-            filter_pass_rate=1.0, filter_solved_once=True, filter_unsolved_n=0, practice_k=4, dynamic_sampling=0,
-            eval_limit=100, spider_limit=0, ckpt_every=0, eval_batch_size=128)
-# --quick: a few steps of every stage, small enough for a test
-QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
-             rl_steps=2, sft_batch_size=4, rl_batch_size=2, ppo_mini_batches=1, group_size=2, teacher_limit=16,
-             eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024,
-             filter_k=0, filter_limit=0, run_name="quick")
-
-
-def get_parser(add_help=True):
-    p = cli.ArgumentParser(description=__doc__, add_help=add_help)
-    p.add_argument("--stage", default="both", choices=["sft", "rl", "both"], help="which stages to run")
-    p.add_argument("--recipe", default="trust", choices=sorted(RECIPES), help="a paper's settings (RECIPES)")
-    p.add_argument("--model", default="smollm2",
-                   help='"smollm2" (the demo), "tiny" (tests), a Hugging Face id or a folder')
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=f"bf16: fp32 master weights, bf16 compute (autocast) and rollouts; {AUTO_DTYPE}")
-    p.add_argument("--data", type=cli.existing_file, default=None,
-                   help="RL training examples JSONL (default: the gym's train split)")
-    p.add_argument("--sft-data", type=cli.existing_file, default=None,
-                   help="SFT trajectories JSONL (default: scripted teacher on --data)")
-    p.add_argument("--dev-data", type=cli.existing_file, default=None,
-                   help="dev examples JSONL for periodic eval (default: gym dev)")
-    p.add_argument("--test-data", type=cli.existing_file, default=None,
-                   help="test examples JSONL evaluated at the end (default: gym test)")
-    p.add_argument("--spider-dir", default=str(ROOT.parent / "shared" / "data" / "spider"),
-                   help="Spider (dev.json, database/) for a fixed sample of dev questions evaluated with dev and test;"
-                        " skipped with a note when missing")
-    p.add_argument("--spider-limit", type=cli.nonneg_int, default=0,
-                   help="Spider dev questions in that sample (0 = no Spider eval)")
-    p.add_argument("--protocol", default="trust", choices=["trust", "trail", "mtir", "skyrl"],
-                   help="agent turn format (protocols.py)")
-    p.add_argument("--reward", default="trust", choices=sorted(REWARDS), help="reward recipe (rewards.REWARDS)")
-    p.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES, help="none: unknown schema (the papers)")
-    p.add_argument("--brief-prompt", type=int, default=0,
-                   help="1 = a short system prompt instead of the paper's (CPU demo)")
-    p.add_argument("--obs-rows", type=cli.nonneg_int, default=0,
-                   help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
-    p.add_argument("--adaptive-turns", type=int, default=0,
-                   help="1: each RL question's turn budget from its difficulty label (rewards.turn_budget; the turns "
-                        "reward uses the same budget)")
-    p.add_argument("--force-final-answer", type=int, default=0,
-                   help="1: out of turns without an answer, one more turn that must answer and is scored (SQL-Trail "
-                        "Alg. 1 line 31)")
-    p.add_argument("--teacher-probes", type=cli.nonneg_int, default=2,
-                   help="filtered columns whose values the teacher probes")
-    p.add_argument("--teacher-distractors", type=cli.nonneg_int, default=1,
-                   help="extra tables whose schema the teacher reads")
-    p.add_argument("--teacher-list-tables", type=int, default=1, help="0: the teacher skips listing tables (shorter)")
-    # lengths and sampling
-    p.add_argument("--max-turns", type=cli.positive_int, default=10, help="assistant turns per episode")
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=2048, help="per assistant turn")
-    p.add_argument("--max-total-tokens", type=cli.positive_int, default=16384,
-                   help="whole trajectory (prompt + turns + observations)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature of RL rollouts (eval is greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of RL rollouts")
-    # SFT
-    p.add_argument("--sft-steps", type=cli.positive_int, default=150, help="SFT optimizer steps (without --sft-epochs)")
-    p.add_argument("--sft-epochs", type=float, default=0.0,
-                   help="SFT length in passes over the SFT data, rounded up to whole steps (0: --sft-steps; a "
-                        "--sft-steps typed or preset above it wins)")
-    p.add_argument("--sft-batch-size", type=cli.positive_int, default=128,
-                   help="trajectories per step, all ranks together")
-    p.add_argument("--sft-lr", type=float, default=1e-5, help="peak SFT learning rate")
-    p.add_argument("--teacher-limit", type=cli.nonneg_int, default=0,
-                   help="teacher trajectories from the first N examples (0 = all)")
-    # RL
-    p.add_argument("--rl-steps", type=cli.positive_int, default=200, help="GRPO steps (without --rl-epochs)")
-    p.add_argument("--rl-epochs", type=float, default=0.0,
-                   help="RL length in passes over the questions the difficulty filter keeps, rounded up to whole "
-                        "steps (0: --rl-steps; a --rl-steps typed or preset above it wins)")
-    p.add_argument("--rl-batch-size", type=cli.positive_int, default=32,
-                   help="prompts per step, all ranks together (x group size rollouts)")
-    p.add_argument("--rl-lr", type=float, default=1e-6, help="peak RL learning rate")
-    p.add_argument("--group-size", type=cli.positive_int, default=8, help="rollouts per prompt (G)")
-    p.add_argument("--schema-lambda", type=float, default=0.25,
-                   help="weight of TRUST's schema track (0 = single track)")
-    p.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below 1")
-    p.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher)")
-    p.add_argument("--traj-filter", type=int, default=0,
-                   help="MTIR trajectory filter: drop truncated / unfinished rollouts")
-    p.add_argument("--dynamic-sampling", type=int, default=0,
-                   help="1: roll fresh prompts until every group has a nonzero advantage (DAPO); groups still flat are"
-                        " left out of the update")
-    p.add_argument("--dynamic-sampling-rounds", type=cli.nonneg_int, default=3,
-                   help="extra rollout rounds per step at most (the cap)")
-    p.add_argument("--ppo-epochs", type=cli.positive_int, default=1, help="passes over each batch of rollouts")
-    p.add_argument("--ppo-mini-batches", type=cli.positive_int, default=1,
-                   help="optimizer steps per rollout batch, each on an equal share of its prompts, all against the "
-                        "log-probs before the first (verl's ppo_mini_batch_size is rl-batch-size / this); with 1 the "
-                        "ratio is 1 and the clip never acts")
-    p.add_argument("--kl-beta", type=float, default=0.0,
-                   help="k3 KL to a frozen copy of the start policy (0 = off: Trail, MTIR)")
-    p.add_argument("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"],
-                   help="token losses -> one number: DAPO token mean, GRPO sequence mean, Dr. GRPO sum / (sequences x "
-                        "max-total-tokens)")
-    p.add_argument("--scale-std", type=int, default=1, help="0: advantages not divided by the group std (Dr. GRPO)")
-    p.add_argument("--mask-truncated", type=int, default=0,
-                   help="1: trajectories cut by a length limit stay out of the loss")
-    p.add_argument("--naive-schema-weight", type=float, default=0.0,
-                   help="TRUST's single-track ablation: full reward += w x schema reward, one track (use with "
-                        "--schema-lambda 0)")
-    p.add_argument("--filter-pass-rate", type=float, default=0.75,
-                   help="keep questions with pass rate below this (TRUST <6/8)")
-    p.add_argument("--filter-top-n", type=cli.nonneg_int, default=0,
-                   help="SQL-Trail A.6: keep the N questions of lowest difficulty score S(q) (eq. 13) instead of the "
-                        "pass-rate rule (0 = TRUST's rule)")
-    p.add_argument("--filter-unsolved-n", type=cli.nonneg_int, default=0,
-                   help="with --filter-top-n: this many never-solved ones too")
-    p.add_argument("--filter-k", type=cli.nonneg_int, default=8,
-                   help="rollouts per question for the difficulty filter (0 = no filter); equal to --group-size, the "
-                        "kept groups are RL's first batch")
-    p.add_argument("--filter-limit", type=cli.nonneg_int, default=0,
-                   help="candidate questions for the filter (0 = all)")
-    p.add_argument("--filter-solved-once", action="store_true",
-                   help="keep only questions a filter rollout solved; with --filter-pass-rate 1: those solved sometimes"
-                        " but not always (the demo's practice set)")
-    p.add_argument("--practice-k", type=cli.nonneg_int, default=0,
-                   help="samples per RL question for pass@1 on RL's own questions after SFT and after RL, the same "
-                        "draws both times (0 = off)")
-    # optimisation
-    p.add_argument("--warmup-ratio", type=float, default=0.1, help="fraction of each stage's steps with linear warmup")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm")
-    p.add_argument("--micro-batch-size", type=cli.nonneg_int, default=4,
-                   help="sequences per forward + backward, SFT and GRPO (0 = the whole local batch: the recipes' SFT "
-                        "batches of 128-256 would not fit)")
-    # eval, checkpoints, logging
-    p.add_argument("--eval-every", type=cli.nonneg_int, default=0,
-                   help="RL steps between dev evals (0 = only after each stage)")
-    p.add_argument("--eval-limit", type=cli.nonneg_int, default=0, help="dev/test examples per eval (0 = all)")
-    p.add_argument("--eval-batch-size", type=cli.positive_int, default=64,
-                   help="rows a rank decodes at once: eval, the difficulty filter and RL rollouts (their KV cache: "
-                        "rows x --max-total-tokens x KV bytes per token; fewer rows where memory lacks it)")
-    p.add_argument("--kv-cache-gb", type=float, default=4.0,
-                   help="CPU: the most GiB the rollouts' KV cache may take; --eval-batch-size shrinks to fit it and "
-                        "the machine's available memory (a GPU fits its free memory)")
-    p.add_argument("--ckpt-every", type=cli.nonneg_int, default=50, help="0 = only at the end of each stage")
-    p.add_argument("--keep-ckpts", type=cli.nonneg_int, default=2, help="0 = all")
-    p.add_argument("--resume", action="store_true", help="continue the latest checkpoint in --out-dir/--run-name")
-    p.add_argument("--stop-after", type=cli.nonneg_int, default=0,
-                   help="exit right after the checkpoint at this global step (tests)")
-    p.add_argument("--out-dir", default=str(ROOT / "out"), help="runs go to <out-dir>/<run-name>")
-    p.add_argument("--run-name", default=None,
-                   help="run directory under --out-dir (default: run-<date>-<time>; torchrun claims --run for itself)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="a new run may replace the checkpoints in --run-name's folder (never the one --model loads: a "
-                        "--model inside that folder is refused)")
-    p.add_argument("--seed", type=int, default=0, help="data order, rollouts and the tiny model's init")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu or cuda (torchrun: per rank)")
-    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of DDP")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder layer for SFT and GRPO (GPU: 2.5x faster)")
-    p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
-    p.add_argument("--quick", action="store_true", help="a few steps of each stage (smoke test)")
-    return p
-
-
-def presets(first):
-    """The presets under the command line, lowest first: (name, {flag: default}). first: the parsed --recipe, --model,
-    --quick. A train.py checkpoint as --model brings the prompt variant and limits it was trained in."""
-    out = [(f"recipe {first.recipe}", RECIPES[first.recipe])]
-    if first.model == "smollm2" and not first.quick:  # --quick is a preset of its own, not a smaller demo
-        # under the trust recipe the demo's six steps learn from SkyRL's -1 / 0 / 1 reward, not from TRUST's reward and
-        # schema track (docs/experiments.md); another recipe keeps its paper's reward
-        reward = {"reward": "skyrl"} if first.recipe == "trust" else {}
-        out.append(("demo", DEMO | reward))
-    out.append(("checkpoint", trained_settings(first.model)))
-    if first.quick:
-        out.append(("quick", QUICK))
-    return out
-
-
-SOURCE_ORDER = ["parser", "recipe", "demo", "checkpoint", "quick", "command line"]  # lowest first
-
-
-def get_args(argv=None):
-    """Parse once for --recipe/--model/--quick, make their presets the defaults, parse again: explicit flags win."""
-    parser = get_parser()
-    first, _ = get_parser(add_help=False).parse_known_args(argv)  # --help waits for the presets: it shows them
-    for _, preset in presets(first):
-        parser.set_defaults(**preset)
-    args = parser.parse_args(argv)
-    for stage in steps_win(setting_sources(argv)):
-        setattr(args, f"{stage}_epochs", 0.0)
-    return args
-
-
-def steps_win(sources):
-    """Stages whose length in steps comes from a higher source than their length in epochs (the demo's, --quick's,
-    the command line's steps over a recipe's epochs)."""
-
-    def level(source):
-        return SOURCE_ORDER.index("recipe" if source.startswith("recipe") else source)
-    return [stage for stage in ("sft", "rl") if level(sources[f"{stage}_steps"]) > level(sources[f"{stage}_epochs"])]
-
-
-def setting_sources(argv=None):
-    """{setting: where its value came from}: "parser", a preset's name, or "command line"."""
-    parser = get_parser(add_help=False)
-    first, _ = parser.parse_known_args(argv)
-    sources = {a.dest: "parser" for a in parser._actions}
-    for name, preset in presets(first):
-        sources.update(dict.fromkeys(preset, name))
-    for action in parser._actions:  # now parsing yields only what was typed
-        action.default = argparse.SUPPRESS
-    given = parser.parse_known_args(argv)[0]
-    sources.update(dict.fromkeys(vars(given), "command line"))
-    return sources
 
 # -----------------------------------------------------------------------------
 # data order, the optimizer and its schedule, the KL reference
@@ -641,15 +382,13 @@ def grpo_config(args, pad_id):
 
 
 def main(argv=None):
-    args = get_args(argv)
-    sources = setting_sources(argv)
-    for stage in steps_win(sources):
-        sources[f"{stage}_epochs"] = sources[f"{stage}_steps"]
+    args, typed, saved = config.settings(argv)
     owns_group = not dist.is_initialized()  # a caller's process group outlives this run; one made here ends with it
     rank, world, device = setup_distributed(args)
     if torch.device(device).type == "cpu":
         memory.return_memory_on_free()
     args.dtype = resolve_dtype(args.dtype, device)  # saved resolved in config.json
+    config.check_resume(args, typed, saved)
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -663,6 +402,8 @@ def main(argv=None):
     run_dir = Path(args.out_dir) / args.run_name
     stages = ["sft", "rl"] if args.stage == "both" else [args.stage]
     master = rank == 0
+    if master:
+        print(config.describe(args))
     trained = trained_settings(args.model)
     if master and trained:
         print("settings the checkpoint was trained in (a flag overrides): "
@@ -717,17 +458,16 @@ def main(argv=None):
         rows = memory.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
     except ValueError as e:
         raise cli.UserError(e) from None
-    if rows < args.eval_batch_size:
-        sources["eval_batch_size"] = "machine memory"
-        args.eval_batch_size = rows
-    if master:  # the presets, then the command line, then the memory: what this run uses, and where each came from
-        print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
-                            subsequent_indent="  "))
-        if sources["eval_batch_size"] != "machine memory":  # else memory.cache_rows has said it
+    if master:  # the layers, then the command line, then the memory: what this run uses
+        if rows == args.eval_batch_size:  # else memory.cache_rows has said it
             kv = memory.kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
             print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
+    args.eval_batch_size = rows
+    if master:
+        print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
+                            subsequent_indent="  "))
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(vars(args) | {"sources": sources}, indent=1) + "\n")
+        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
 
 
     # --- resume: the latest checkpoint's state decides which stage and step we are at

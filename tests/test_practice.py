@@ -9,6 +9,7 @@ import torch
 
 import engine
 import rollout
+import config
 import train
 from model import latest_checkpoint, load_model
 from report import practice_stats
@@ -29,7 +30,7 @@ def parity_reward(monkeypatch):
 
 
 def quick_args(*flags):
-    return train.get_args(["--model", "tiny", "--quick", "--reward", "parity", "--practice-k", "4",
+    return config.get_args(["--model", "tiny", "--quick", "--reward", "parity", "--practice-k", "4",
                            "--temperature", "1.0", *flags])
 
 

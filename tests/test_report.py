@@ -58,3 +58,19 @@ def test_the_practice_summary_gives_its_paired_gain_and_a_question_rl_turned_aro
     assert results["intervals"]["practice"]["questions"]["c"] == {"sft": 0.5, "rl": 0.25}
     assert [round(p["ex"], 2) for p in results["practice_passes"]] == [0.33, 1.0]  # every question at each visit
     assert (tmp_path / "curves.png").exists()
+
+
+def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+    started = []
+    ids = iter(["first", "second"])
+    fake = SimpleNamespace(init=lambda **kw: started.append(kw) or SimpleNamespace(log=print),
+                           util=SimpleNamespace(generate_id=lambda: next(ids)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for resume in (False, True):
+        args = SimpleNamespace(resume=resume, wandb=True, run_name="r")
+        report.Logger(tmp_path, args, 0, 0)
+    assert [kw["id"] for kw in started] == ["first", "first"]
+    report.Logger(tmp_path, SimpleNamespace(resume=False, wandb=True, run_name="r"), 0, 0)  # a new run: a new id
+    assert started[-1]["id"] == "second"

@@ -1,7 +1,7 @@
 """Short checks on the real model, SmolLM2-135M-Instruct (fetched once into ~/.cache/sqlrl): a 2-turn rollout is
 token-in/token-out against its chat template and replays its own log-probs, and one GRPO step moves the weights the
 way the advantages say and writes a checkpoint that a bare from_pretrained loads. Both speak the demo's protocol
-(train.DEMO: the short system prompt, 40 observation rows)."""
+(config.DEMO: the short system prompt, 40 observation rows)."""
 import json
 
 import pytest
@@ -10,6 +10,7 @@ import torch
 import env
 import protocols
 import rollout
+import config
 import train
 from grpo import GRPOConfig, build_batch, grpo_step, token_logprobs
 from model import load_model, resolve_dtype, save_checkpoint
@@ -42,7 +43,7 @@ def trust_turn(example, sql, answer=False):
 
 
 def demo_protocol():
-    return protocols.protocol_variant("trust", train.DEMO["brief_prompt"], train.DEMO["obs_rows"])
+    return protocols.protocol_variant("trust", config.DEMO["brief_prompt"], config.DEMO["obs_rows"])
 
 
 def test_two_turn_rollout_is_its_chat_template_and_replays(smol, examples):
@@ -98,7 +99,7 @@ def test_one_grpo_step_moves_smollm2_along_the_advantage_and_saves_a_plain_check
     rewards = [REWARDS["trust"](t, ex) for t in trajs]
     assert rewards[0]["correct"] and not rewards[1]["correct"] and rewards[0]["full"] > rewards[1]["full"]
 
-    args = train.get_args(["--model", "smollm2", "--rl-lr", "1e-5", "--rl-steps", "1", "--warmup-ratio", "0"])
+    args = config.get_args(["--preset", "demo", "--rl-lr", "1e-5", "--rl-steps", "1", "--warmup-ratio", "0"])
     opt, sched = train.make_optimizer(model, args.rl_lr, args.rl_steps, args)
     batch = build_batch(trajs, tokenizer.pad_token_id)
     mask = batch["loss_mask"].bool()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cli
+import config
 import grpo
 import memory
 import train
@@ -30,42 +31,53 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_recipe_sets_defaults_and_explicit_flags_win():
-    trust = train.get_args(["--model", "tiny"])  # the recipe alone (smollm2 adds the demo's sizes)
+    trust = config.get_args(["--model", "tiny"])  # the recipe alone (smollm2 adds the demo's sizes)
     assert (trust.recipe, trust.protocol, trust.schema_lambda, trust.max_turns, trust.group_size, trust.eps_high) == \
         ("trust", "trust", 0.25, 10, 8, 0.28)
-    trail = train.get_args(["--recipe", "trail", "--model", "tiny"])
+    trail = config.get_args(["--recipe", "trail", "--model", "tiny"])
     assert (trail.protocol, trail.reward, trail.group_size, trail.schema_lambda, trail.top_p) == \
         ("trail", "trail", 6, 0.0, 0.99)
     assert (trust.schema_mode, trust.rl_lr, trust.rl_batch_size, trust.filter_k, trust.stage) == \
         ("none", 1e-6, 32, 8, "both")  # TRUST runs unknown-schema, Table 8 and App. A.3
     assert (trail.schema_mode, trail.temperature, trail.filter_top_n, trail.force_final_answer) == \
         ("prompt", 1.0, 700, 1)
-    mtir, skyrl = (train.get_args(["--recipe", r, "--model", "tiny"]) for r in ("mtir", "skyrl"))
+    mtir, skyrl = (config.get_args(["--recipe", r, "--model", "tiny"]) for r in ("mtir", "skyrl"))
     assert mtir.traj_filter and (mtir.schema_mode, mtir.temperature, mtir.stage) == ("prompt", 0.6, "rl")
     assert (skyrl.temperature, skyrl.top_p, skyrl.max_turns, skyrl.stage) == (0.6, 0.95, 5, "rl")
-    assert train.get_args(["--recipe", "skyrl", "--group-size", "3"]).group_size == 3  # explicit beats recipe
-    assert train.get_args(["--quick", "--sft-steps", "7"]).sft_steps == 7  # explicit beats --quick too
-    quick = train.get_args(["--quick"])  # the default model's demo sizes stay out of a --quick run
+    assert config.get_args(["--recipe", "skyrl", "--group-size", "3"]).group_size == 3  # explicit beats recipe
+    assert config.get_args(["--quick", "--sft-steps", "7"]).sft_steps == 7  # explicit beats --quick too
+    quick = config.get_args(["--quick"])  # the default model's demo sizes stay out of a --quick run
     assert (quick.rl_batch_size, quick.ppo_mini_batches, quick.sft_steps) == (2, 1, 2)
 
 
 def test_the_demo_takes_skyrls_reward_under_the_trust_recipe_and_no_other():
-    demo = train.get_args([])  # smollm2 and the trust recipe: the demo's reward, its sizes
+    demo = config.get_args([])  # smollm2 and the trust recipe: the demo's reward, its sizes
     assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 128, 0, 8)
     assert (demo.filter_pass_rate, demo.filter_solved_once, demo.practice_k, demo.spider_limit) == (1.0, True, 4, 0)
-    assert train.get_args(["--recipe", "trail"]).reward == "trail"  # the demo's sizes, the paper's reward
-    assert train.get_args(["--model", "tiny"]).reward == "trust"  # no demo: the recipe's reward
-    assert train.get_args(["--reward", "trust"]).reward == "trust"  # explicit beats the demo
-    assert train.setting_sources([])["reward"] == "demo"  # the printed config says where it came from
+    assert config.get_args(["--recipe", "trail"]).reward == "trail"  # the demo's sizes, the paper's reward
+    assert config.get_args(["--model", "tiny"]).reward == "trust"  # no demo: the recipe's reward
+    assert config.get_args(["--reward", "trust"]).reward == "trust"  # explicit beats the demo
+    assert config.describe(config.get_args([])) == "recipe trust, preset demo, reward skyrl (the demo's, in place of " \
+        "the recipe's trust)"  # the first line a run prints
+    assert config.describe(config.get_args(["--recipe", "trail"])) == "recipe trail, preset demo"
+
+
+def test_the_demo_is_a_preset_any_model_can_run_and_a_typed_model_leaves_out():
+    folder = config.get_args(["--preset", "demo", "--model", "/models/SmolLM2-135M-Instruct"])
+    assert (folder.preset, folder.sft_steps, folder.reward, folder.practice_k) == ("demo", 48, "skyrl", 4)
+    gpu = config.get_args(["--recipe", "trust", "--model", "Qwen/Qwen3-4B"])  # a GPU user's line: the recipe's sizes
+    assert (gpu.preset, gpu.sft_epochs, gpu.rl_batch_size, gpu.reward) == ("none", 2, 32, "trust")
+    assert config.get_args(["--model", "smollm2"]).preset == "none"  # the model's name sets nothing
+    assert config.get_args(["--quick"]).preset == "none"
 
 
 def test_training_length_in_the_papers_units_and_steps_from_above_win():
-    trust = train.get_args(["--model", "tiny"])  # Table 8: SFT 2 epochs, RL 3 epochs
+    trust = config.get_args(["--model", "tiny"])  # Table 8: SFT 2 epochs, RL 3 epochs
     assert (trust.sft_epochs, trust.rl_epochs, trust.ppo_mini_batches) == (2, 3, 4)
-    trail = train.get_args(["--recipe", "trail", "--model", "tiny"])  # A.5: SFT 2 epochs, RL reported at step 108
+    trail = config.get_args(["--recipe", "trail", "--model", "tiny"])  # A.5: SFT 2 epochs, RL reported at step 108
     assert (trail.sft_epochs, trail.rl_epochs, trail.rl_steps) == (2, 0, 108)
-    assert train.get_args(["--model", "tiny", "--sft-steps", "7"]).sft_epochs == 0  # typed steps win
-    demo = train.get_args([])  # the demo's SFT steps win over the recipe's epochs; RL: two passes over its questions
+    assert config.get_args(["--model", "tiny", "--sft-steps", "7"]).sft_epochs == 0  # typed steps win
+    demo = config.get_args([])  # the demo's SFT steps win over the recipe's epochs; RL: two passes over its questions
     assert (demo.sft_epochs, demo.sft_steps, demo.rl_epochs, demo.ppo_mini_batches) == (0, 48, 2, 1)
 
 
@@ -85,7 +97,7 @@ def test_a_kv_budget_too_small_for_one_row_stops_before_any_work(tmp_path):
 
 def test_training_must_fit_the_free_memory_and_the_kv_cache_takes_what_is_left(tmp_path, monkeypatch):
     argv = QUICK + ["--dtype", "fp32", "--out-dir", str(tmp_path)]
-    args = train.get_args(argv)
+    args = config.get_args(argv)
     model = load_model("tiny")[0]
     need = memory.training_bytes(model, args, bf16=False)
     held = sum(p.numel() for p in model.parameters()) * 12 + memory.CACHE_HEADROOM  # weights, AdamW, prefill
@@ -110,24 +122,24 @@ def test_training_must_fit_the_free_memory_and_the_kv_cache_takes_what_is_left(t
 
 def test_every_preset_key_is_a_flag():
     # set_defaults accepts any name, so a renamed flag would leave its preset value silently unused
-    dests = {a.dest for a in train.get_parser()._actions}
-    for name, preset in [*train.RECIPES.items(), ("DEMO", train.DEMO), ("QUICK", train.QUICK)]:
+    dests = {a.dest for a in config.get_parser()._actions}
+    for name, preset in [*config.RECIPES.items(), ("DEMO", config.DEMO), ("QUICK", config.QUICK)]:
         assert set(preset) <= dests, f"{name}: {set(preset) - dests} are not train.py flags"
 
 
 def test_help_shows_every_flag_with_the_default_the_presets_give_it(capsys):
     with pytest.raises(SystemExit):
-        train.get_args(["--help"])  # no flags: --model smollm2, so the demo preset's values are the defaults
+        config.get_args(["--help"])  # no flags: --model smollm2, so the demo preset's values are the defaults
     text = " ".join(capsys.readouterr().out.split())
-    assert f"(default: {train.DEMO['sft_steps']})" in text and f"(default: {train.DEMO['rl_lr']})" in text
-    flags = [a for a in train.get_parser()._actions if a.option_strings and a.dest != "help"]
+    assert f"(default: {config.DEMO['sft_steps']})" in text and f"(default: {config.DEMO['rl_lr']})" in text
+    flags = [a for a in config.get_parser()._actions if a.option_strings and a.dest != "help"]
     assert all(a.help for a in flags), [a.dest for a in flags if not a.help]
 
 
 def test_torchrun_hands_every_flag_to_train_py():
     # torchrun's parser allows abbreviations even after the script name: "--run" would be claimed as --run-path
     from torch.distributed.run import get_args_parser
-    for flag in (o for a in train.get_parser()._actions for o in a.option_strings):
+    for flag in (o for a in config.get_parser()._actions for o in a.option_strings):
         try:
             script_args = get_args_parser().parse_args(["train.py", flag, "x"]).training_script_args
         except SystemExit:
@@ -201,14 +213,12 @@ def test_quick_run_sft_then_two_rl_steps(tmp_path, quick_run):
                                                                          TINY["num_hidden_layers"])
     assert (run / "teacher_trust-brief-rows3.jsonl").exists()  # --quick's protocol
     assert json.loads((run / "results.json").read_text())["seconds"]["sft"] > 0
-    config = json.loads((run / "config.json").read_text())  # the effective flags: recipe, presets, command line
-    assert (config["sft_steps"], config["rl_steps"], config["model"], config["recipe"]) == (2, 2, "tiny", "trust")
-    sources = config["sources"]  # and where each came from
-    assert (sources["sft_steps"], sources["group_size"], sources["eps_high"], sources["seed"]) == \
-        ("command line", "quick", "recipe trust", "parser")
-    assert sources["sft_epochs"] == "command line"  # the typed steps decided the length, not trust's 2 epochs
+    saved = json.loads((run / "config.json").read_text())  # the final flags: recipe, presets, command line, memory
+    assert (saved["sft_steps"], saved["rl_steps"], saved["model"], saved["recipe"]) == (2, 2, "tiny", "trust")
+    assert (saved["group_size"], saved["eps_high"], saved["seed"], saved["preset"]) == (2, 0.28, 0, "none")
+    assert saved["sft_epochs"] == 0  # the typed steps decided the length, not trust's 2 epochs
     # each row logs the lr its own step used: the peak first (one warmup step), then cosine's half-way point
-    for stage, peak in (("sft", config["sft_lr"]), ("rl", config["rl_lr"])):
+    for stage, peak in (("sft", saved["sft_lr"]), ("rl", saved["rl_lr"])):
         assert [r["lr"] for r in rows if r["stage"] == stage] == pytest.approx([peak, peak / 2]), stage
     # eval.py evaluates the checkpoint in the protocol it was trained with, not the full trust prompt
     out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--model", str(ckpt), "--limit", "2", "--samples",
@@ -225,10 +235,10 @@ def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, 
     # `--stage rl --model <SFT checkpoint>` is not --model smollm2, so the demo's preset does not apply; the checkpoint's
     # state.json must, or RL would start in the full trust prompt and 2 048-token turns the model has never seen
     ckpt, _ = final_weights(quick_run)
-    args = train.get_args(["--stage", "rl", "--model", str(ckpt)])
+    args = config.get_args(["--stage", "rl", "--model", str(ckpt)])
     assert (args.protocol, args.brief_prompt, args.obs_rows) == ("trust", 1, 3)
     assert (args.max_new_tokens, args.max_total_tokens, args.max_turns) == (24, 1024, 5)  # QUICK's, not 2048/16384/10
-    flags = train.get_args(["--stage", "rl", "--model", str(ckpt), "--max-new-tokens", "50", "--brief-prompt", "0"])
+    flags = config.get_args(["--stage", "rl", "--model", str(ckpt), "--max-new-tokens", "50", "--brief-prompt", "0"])
     assert (flags.max_new_tokens, flags.brief_prompt, flags.obs_rows) == (50, 0, 3)  # a flag still wins
     train.main(["--stage", "rl", "--model", str(ckpt), "--rl-steps", "1", "--rl-batch-size", "1", "--group-size", "2",
                 "--ppo-mini-batches", "1", "--filter-k", "0", "--eval-limit", "1", "--ckpt-every", "0", "--out-dir", str(tmp_path),
@@ -288,6 +298,20 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     assert strip(tmp_path / "a") == strip(tmp_path / "c")
     assert trajectories(tmp_path / "a") == trajectories(tmp_path / "c")
 
+def test_a_resume_keeps_the_runs_settings_and_stops_at_a_flag_that_would_change_them(tmp_path):
+    run = QUICK + ["--out-dir", str(tmp_path), "--eval-limit", "1"]
+    with pytest.raises(SystemExit):  # killed after RL's first step
+        train.main(run + ["--rl-lr", "3e-6", "--stop-after", "3"])
+    with pytest.raises(cli.UserError, match=r"continues quick with its own settings, and --rl-lr 1e-05 \(the run has "
+                       r"3e-06\) would change what it trains: drop that flag"):
+        train.main(run + ["--rl-lr", "1e-5", "--run-name", "quick", "--resume"])  # before any work
+    assert latest_checkpoint(tmp_path / "quick").name == "ckpt-000003"
+    # only the run's name, and another --stop-after: the run's own settings, to its end
+    state = train.main(["--out-dir", str(tmp_path), "--run-name", "quick", "--resume", "--stop-after", "0"])
+    assert state["gstep"] == 4
+    saved = json.loads((tmp_path / "quick" / "config.json").read_text())
+    assert (saved["rl_lr"], saved["model"], saved["sft_steps"], saved["stop_after"]) == (3e-6, "tiny", 2, 0)
+
 # -----------------------------------------------------------------------------
 # a run never deletes what it did not write
 
@@ -334,7 +358,7 @@ def test_rl_from_a_checkpoint_in_its_own_run_folder_never_deletes_it(tmp_path, m
 
 def test_a_kill_between_the_temp_write_and_the_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch, tiny):
     model, tok = tiny
-    args = train.get_args(QUICK)
+    args = config.get_args(QUICK)
     opt, sched = train.make_optimizer(model, 1e-4, 10, args)
     state = {"stage": "sft", "step": 1, "gstep": 1, "evals": {}, "rl_pool": None}
     first = save_checkpoint(tmp_path, 1, model, tok, opt, sched, state, args, 0, 1)
@@ -514,7 +538,7 @@ def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
     def solved(t, ex):
         return float(ex["id"] in (1, 4) and t.k == 0 or ex["id"] == 2)
     monkeypatch.setitem(train.REWARDS, "fake", lambda t, ex: {"full": solved(t, ex), "correct": solved(t, ex)})
-    args = train.get_args(["--model", "tiny", "--reward", "fake", "--filter-k", "2", "--group-size", "2",
+    args = config.get_args(["--model", "tiny", "--reward", "fake", "--filter-k", "2", "--group-size", "2",
                            "--filter-top-n", "3", "--rl-batch-size", "2", "--seed", "1"])
     pool, (trajs, rewards) = train.difficulty_filter(None, None, [{"id": i} for i in range(6)], args, 0, 1)
     assert calls == [list(range(6))]  # one rollout of every candidate, none again for RL
@@ -533,7 +557,7 @@ def test_on_two_ranks_each_ranks_filter_groups_are_its_share_of_rls_first_step(m
         trajs = [SimpleNamespace(example=ex) for ex in mine for _ in range(k)]
         return rates, trajs, [{"full": 0.0}] * len(trajs)
     monkeypatch.setattr(train, "pass_rates", fake_pass_rates)
-    args = train.get_args(["--model", "tiny", "--filter-k", "2", "--group-size", "2", "--filter-top-n", "6",
+    args = config.get_args(["--model", "tiny", "--filter-k", "2", "--group-size", "2", "--filter-top-n", "6",
                            "--rl-batch-size", "4"])
     out = [train.difficulty_filter(None, None, [{"id": i} for i in range(8)], args, rank, 2) for rank in (0, 1)]
     assert [ex["id"] for ex in out[0][0]] == [ex["id"] for ex in out[1][0]]  # one pool order on every rank
@@ -546,7 +570,7 @@ def test_on_two_ranks_each_ranks_filter_groups_are_its_share_of_rls_first_step(m
 
 def test_rls_first_epoch_after_the_filters_batch_visits_every_kept_question_once():
     # the filter's batch (3 of 12 questions) opens RL's data order; steps 2-4 then read the other nine, none twice
-    args = train.get_args(["--model", "tiny", "--rl-batch-size", "3", "--seed", "5"])
+    args = config.get_args(["--model", "tiny", "--rl-batch-size", "3", "--seed", "5"])
     pool = train.rl_order([{"id": f"q{i}"} for i in range(12)], ["q7", "q2", "q9"], args)
     steps = [[pool[i]["id"] for i in train.rl_batch(len(pool), args, step)] for step in range(4)]
     assert steps[0] == ["q7", "q2", "q9"]
@@ -587,7 +611,7 @@ def _recipe_batch(group_size, prompts, seed=0):
 def test_each_recipe_takes_its_papers_optimizer_steps_and_the_clip_acts_where_there_are_several(recipe, steps, tiny,
                                                                                                 one_thread):
     model = copy.deepcopy(tiny[0])
-    args = train.get_args(["--recipe", recipe, "--model", "tiny", "--rl-batch-size", "8"])
+    args = config.get_args(["--recipe", recipe, "--model", "tiny", "--rl-batch-size", "8"])
     cfg = train.grpo_config(args, pad_id=2)
     trajs, rewards = _recipe_batch(cfg.group_size, 8)
     m = grpo_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), trajs, rewards, cfg)
@@ -600,14 +624,14 @@ def test_each_recipe_takes_its_papers_optimizer_steps_and_the_clip_acts_where_th
 
 
 def test_grpo_flags_reach_the_update():
-    args = train.get_args(["--model", "tiny", "--rl-batch-size", "4", "--ppo-mini-batches", "2", "--kl-beta",
+    args = config.get_args(["--model", "tiny", "--rl-batch-size", "4", "--ppo-mini-batches", "2", "--kl-beta",
                            "0.01", "--agg", "dr_grpo", "--scale-std", "0", "--mask-truncated", "1",
                            "--naive-schema-weight", "0.25"])
     cfg = train.grpo_config(args, pad_id=2)
     assert (cfg.mini_batches, cfg.kl_beta, cfg.agg, cfg.scale_std, cfg.mask_truncated, cfg.naive_schema_weight,
             cfg.dr_grpo_len) == (2, 0.01, "dr_grpo", False, True, 0.25, args.max_total_tokens)
     # old log-probs: a bf16 sampler copy needs them recomputed; fp32 weights that sampled have logged them
-    bf16, fp32 = (train.grpo_config(train.get_args(["--model", "tiny", "--dtype", d]), 2) for d in ("bf16", "fp32"))
+    bf16, fp32 = (train.grpo_config(config.get_args(["--model", "tiny", "--dtype", d]), 2) for d in ("bf16", "fp32"))
     assert bf16.recompute_old_logp and not fp32.recompute_old_logp
 
 
