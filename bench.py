@@ -11,8 +11,6 @@ Benchmarks. Each prints figures measured in this run; targets are printed beside
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 # -----------------------------------------------------------------------------
 
 def bench_grpo(args):

@@ -4,7 +4,7 @@ the rewards and the scorers goes through, result comparison, what the agent sees
 four agent protocols (TRUST-SQL, SQL-Trail, MTIR-SQL, SkyRL-SQL) and a small Episode state machine. Pure Python +
 sqlite3, no model involved.
 
-    python env.py data/gym/dev.jsonl --protocol trail --schema-mode prompt   # print one episode's prompt
+    python -m pytest -q tests/test_env.py     # the sandbox, result comparison and episodes at work
 
     >>> r = run_sql("db.sqlite", "SELECT name FROM singer")       # never raises; r.error holds any failure
     >>> ep = new_episode(example, "trail", max_turns=5)

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import all_ranks, over_ranks, unwrap
 from model import AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int

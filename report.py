@@ -259,7 +259,8 @@ def report(run_dir, evals, times, log, practice=None):
         before_after["practice"] = {tag: (p[tag]["pass1"], *p[tag]["normal_95"]) for tag in ("sft", "rl")}
     for name in names:
         if all(tag in stats and name in stats[tag] for tag in ("sft", "rl")):
-            before_after[name] = {tag: (stats[tag][name]["ex"], *stats[tag][name]["wilson_95"]) for tag in ("sft", "rl")}
+            ex = {tag: stats[tag][name] for tag in ("sft", "rl")}
+            before_after[name] = {tag: (ex[tag]["ex"], *ex[tag]["wilson_95"]) for tag in ex}
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     passes = practice_passes(read_jsonl(log.rollouts_path))
     if plot_curves(log.rows(), passes, before_after, run_dir / "curves.png"):

@@ -191,9 +191,9 @@ def measure_practice(policy, tokenizer, pool, args, rank, world, tag):
 
 
 def select_rl_pool(examples, rates, args):
-    """TRUST App. A.3: keep pass rate < --filter-pass-rate (and > 0 with --filter-solved-once). SQL-Trail A.6 (--filter-top-n N): rank by the difficulty
-    score S(q) = rate if 0 < rate < 1 else 1 (eq. 13), keep the N lowest (hard but solvable), plus the first
-    --filter-unsolved-n never-solved questions as its exploration set."""
+    """TRUST App. A.3: keep pass rate < --filter-pass-rate (and > 0 with --filter-solved-once). SQL-Trail A.6
+    (--filter-top-n N): rank by the difficulty score S(q) = rate if 0 < rate < 1 else 1 (eq. 13), keep the N lowest
+    (hard but solvable), plus the first --filter-unsolved-n never-solved questions as its exploration set."""
     if not args.filter_top_n:
         kept = [ex for ex in examples if rates[ex["id"]] < args.filter_pass_rate]
         if args.filter_solved_once:
