@@ -90,6 +90,21 @@ def make_optimizer(model, lr, steps, args):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
 
 
+def refresh_sampler(sampler, model):
+    """The weights to decode with: the model's, copied by name into its full decode copy (bf16 under bf16; FSDP:
+    gathered from every rank's shards), or the model itself where it is its own sampler. Decoding under autocast
+    would cast every fp32 weight again at each step (docs/training.md, precision)."""
+    model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
+    memory.release_freed_memory()  # what training freed, before the KV cache is allocated
+    if sampler is not model:
+        weights = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, s in sampler.named_parameters():  # FSDP: all-gathers, every rank
+                p = weights[name]
+                s.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+    return sampler.eval()
+
+
 def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
     """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved to <run>/ref
     when RL starts so that a resumed run loads the same weights back; sharded like the policy under FSDP."""
@@ -525,15 +540,7 @@ def run(args, model, tokenizer, state, ckpt, stages, train, evalsets, run_dir, r
             sys.exit(0)
 
     def policy():
-        """The weights to decode with: a full copy (bf16 under bf16) refreshed here, or the model itself.
-        Decoding under autocast would cast every fp32 weight again at each step (docs/training.md, precision)."""
-        model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
-        memory.release_freed_memory()  # what training freed, before the KV cache is allocated
-        if sampler is not model:
-            with torch.no_grad():
-                for s, p in zip(sampler.parameters(), model.parameters()):  # FSDP: all-gathers, every rank
-                    s.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
-        return sampler.eval()
+        return refresh_sampler(sampler, model)
 
     times = {}
 

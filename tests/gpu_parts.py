@@ -474,14 +474,13 @@ def part_capture_fallback(args):
 def part_fsdp(args):
     """train.py's FSDP2 path on a one-rank group: the full decode copy made before sharding, distributed.distribute
     (activation checkpointing on CUDA, distributed.shard), a rollout from the copy, a grpo_step on the sharded model
-    under bf16 autocast (train.update), the copy refreshed as train.run's policy() does, and a second rollout."""
+    under bf16 autocast (train.update), the copy refreshed (train.refresh_sampler), and a second rollout."""
     import copy
     import functools
     from contextlib import nullcontext
 
     import torch
 
-    import memory
     import train
     from distributed import distribute, is_fsdp
     from grpo import GRPOConfig
@@ -500,10 +499,10 @@ def part_fsdp(args):
             print("distribute did not shard the model")
             return False
         shards = sum(type(p).__name__ == "DTensor" for p in model.parameters())
-        pairs = (len(list(sampler.parameters())), len(list(model.parameters())))
-        print(f"sharded: {shards} DTensor parameters; the decode copy ({precision}) has {pairs[0]} for {pairs[1]}")
-        if pairs[0] != pairs[1]:
-            print("the refresh pairs the copy's parameters with the model's in order: the counts must match")
+        names = ({n for n, _ in sampler.named_parameters()}, {n for n, _ in model.named_parameters()})
+        print(f"sharded: {shards} DTensor parameters; the decode copy ({precision}) has {len(names[0])}")
+        if names[0] != names[1]:
+            print("the refresh copies the model's parameters into the copy by name: the names must match")
             return False
         exs = examples()[:2]
         group = group_size(device)
@@ -520,13 +519,7 @@ def part_fsdp(args):
         print(f"grpo_step: loss {out['loss']:.4f}, {out['tokens']} tokens, grad norm {out['grad_norm']:.3g}, "
               f"{out['optimizer_steps']} optimizer step")
         before = [s.detach().clone() for s in sampler.parameters()]
-        # the refresh of train.run's policy(), a closure there: its lines, as they stand
-        model.zero_grad(set_to_none=True)
-        memory.release_freed_memory()
-        with torch.no_grad():
-            for s, p in zip(sampler.parameters(), model.parameters()):
-                s.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
-        sampler.eval()
+        train.refresh_sampler(sampler, model)  # what train.run's policy() calls before every rollout
         moved = max((s - b).abs().max().item() for s, b in zip(sampler.parameters(), before))
         off = max((s.float() - p.full_tensor().to(s.dtype).float()).abs().max().item()
                   for s, p in zip(sampler.parameters(), model.parameters()))
