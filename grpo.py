@@ -216,108 +216,116 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
                          "group_size rows per example, group-major")
     if (N // G) % cfg.mini_batches:
         raise ValueError(f"{N // G} groups on this rank do not split into {cfg.mini_batches} mini-batches")
+    if cfg.kl_beta > 0 and ref_model is None:
+        raise ValueError("kl_beta > 0 needs ref_model (a frozen copy of the initial policy)")
     device = next(model.parameters()).device
 
-    # --- advantages and filters (each filter counts what it removed)
+    # --- advantages, then the rows the loss uses (each filter counts what it removed, over all ranks)
     tracks = advantages(trajs, rewards, cfg)
-    r_full = tracks.r_full
-    r_schema = tracks.r_schema
-    adv_full = tracks.adv_full
-    adv_schema = tracks.adv_schema
-    keep = tracks.keep
-    dual = tracks.dual
-    rows = keep.clone()
-    flat_groups = torch.zeros(N // G, dtype=torch.bool)
+    rows, flat_groups, truncated = loss_rows(trajs, tracks, cfg)
+    counts = over_ranks(torch.tensor([int((~tracks.keep).sum()), int(flat_groups.sum()), int(truncated.sum()),
+                                      int(rows.sum()), N], device=device)).tolist()
+    if counts[3] == 0:  # every rank filtered everything: nothing to learn this step
+        return step_metrics(tracks, rows, counts, [], None, cfg)
+
+    # --- mini-batches of whole groups (one optimizer step each), each split into micro-batches of similar length
+    per_mini = (N // G) // cfg.mini_batches
+    idx = rows.nonzero().flatten().tolist()
+    minis = [mini_batch(model, trajs, [i for i in idx if i // G // per_mini == b], tracks, truncated, cfg, device)
+             for b in range(cfg.mini_batches)]
+    fixed_logprobs(model, ref_model, minis, cfg)
+
+    # --- the update: every micro-batch's loss carries the global normaliser, so their gradients just add up
+    was_training = model.training
+    model.train()
+    totals = dict(loss_full=0.0, loss_schema=0.0, kl_ref=0.0, clip_high=0.0, clip_low=0.0, approx_kl=0.0,
+                  entropy=0.0, sampler_kl=0.0, ratio_sum=0.0, ratio_min=float("inf"), ratio_max=float("-inf"),
+                  grad_norm=0.0, optimizer_steps=0)
+    for epoch in range(cfg.ppo_epochs):
+        for mb in minis:
+            if mb.forwarded == 0:  # on no rank: an empty step would still move the weights (momentum, decay)
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            for j in range(len(mb.micro)):
+                loss = micro_batch_loss(model, mb, j, epoch, tracks.dual, cfg, totals)
+                if loss.requires_grad:
+                    loss.backward()
+            sum_grads_over_ranks(model)
+            totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+            optimizer.step()
+            totals["optimizer_steps"] += 1
+    model.train(was_training)
+    return step_metrics(tracks, rows, counts, minis, totals, cfg)
+
+
+def loss_rows(trajs, tracks, cfg):
+    """(N,) bool each: the rows the loss uses (kept by the trajectory filter, in a group with signal under dynamic
+    sampling), the groups dynamic sampling drops (groups,), the kept rows whose truncation masks them out."""
+    G = cfg.group_size
+    rows = tracks.keep.clone()
+    flat_groups = torch.zeros(len(trajs) // G, dtype=torch.bool)
     if cfg.dynamic_sampling:  # DAPO: a group with no signal on any track only dilutes the token mean
         flat_groups = ~group_signal(tracks, G)
         rows &= ~flat_groups.repeat_interleave(G)
     truncated = torch.tensor([t.stop_reason in TRUNCATED for t in trajs], dtype=torch.bool)
-    if cfg.mask_truncated:
-        truncated &= rows
-    else:
-        truncated[:] = False
-    idx = rows.nonzero().flatten().tolist()
-    counts = over_ranks(torch.tensor([int((~keep).sum()), int(flat_groups.sum()), int(truncated.sum()), len(idx), N],
-                                    device=device))
-    metrics = dict(zip(["filtered_trajectories", "filtered_groups", "masked_truncated", "rows", "trajectories"],
-                       counts.tolist()))
+    truncated &= rows if cfg.mask_truncated else torch.zeros_like(rows)
+    return rows, flat_groups, truncated
 
-    def top(x):  # a rank may hold no group at all
-        return x.abs().max().item() if N else 0.0
-    metrics |= {"reward_full_mean": r_full.mean().item() if N else 0.0, "adv_full_abs_max": top(adv_full),
-                "adv_full_abs_mean": adv_full[rows].abs().mean().item() if idx else 0.0}
+
+def micro_batch_loss(model, mb, j, epoch, dual, cfg, totals):
+    """Micro-batch j's loss: the full track's clipped surrogate, plus λ times the schema track's, plus β times the KL
+    to the reference; adds its statistics to totals. On the first pass its own log-probs are the old policy's when
+    no earlier step has moved the weights."""
+    filler = j >= len(mb.micro) - mb.fillers  # FSDP: forward and backward, zero loss
+    m = mb.micro[j]
+    mask = mb.loss_mask[m] * (not filler)
+    logp, ent = token_logprobs(model, mb.input_ids[m], mask, cfg.temperature, with_entropy=epoch == 0)
+    if mb.old[j] is None:
+        mb.old[j] = logp.detach() if cfg.recompute_old_logp else mb.old_logp[m]
+    if epoch == 0:
+        totals["entropy"] += (ent * mask).sum().item()
+        totals["sampler_kl"] += (k3_kl(mb.old_logp[m], logp.detach()) * mask).sum().item()  # KL(sampler || π)
+    loss_full, st = policy_loss(logp, mb.old[j], mb.adv_full[m], mask, cfg.eps_low, cfg.eps_high, cfg.agg, mb.n_full)
+    loss = loss_full
+    totals["loss_full"] += loss_full.item()
     if dual:
-        metrics |= {"reward_schema_mean": r_schema.mean().item(), "adv_schema_abs_max": top(adv_schema)}
-    if metrics["rows"] == 0:  # every rank filtered everything: nothing to learn this step
+        loss_schema, _ = policy_loss(logp, mb.old[j], mb.adv_schema[m], mb.schema_mask[m] * mask, cfg.eps_low,
+                                     cfg.eps_high, cfg.agg, mb.n_schema)
+        loss = loss + cfg.schema_lambda * loss_schema
+        totals["loss_schema"] += loss_schema.item()
+    if cfg.kl_beta > 0:
+        kl = (k3_kl(logp, mb.ref[j]) * mask).sum() / max(mb.tokens, 1)  # token mean over the mini-batch
+        loss = loss + cfg.kl_beta * kl
+        totals["kl_ref"] += kl.item()
+    for k in ("clip_high", "clip_low", "approx_kl", "ratio_sum"):
+        totals[k] += st[k]
+    totals["ratio_min"] = min(totals["ratio_min"], st["ratio_min"])
+    totals["ratio_max"] = max(totals["ratio_max"], st["ratio_max"])
+    return loss
+
+
+def step_metrics(tracks, rows, counts, minis, totals, cfg):
+    """The step's metrics, global over ranks: what the filters removed, rewards and advantages, and (unless the
+    step was skipped, totals None) the losses, clipping, ratios, entropy and KLs per forwarded token or step."""
+    N = len(rows)
+    metrics = dict(zip(["filtered_trajectories", "filtered_groups", "masked_truncated", "rows", "trajectories"],
+                       counts))
+    metrics |= {"reward_full_mean": tracks.r_full.mean().item() if N else 0.0,
+                "adv_full_abs_max": tracks.adv_full.abs().max().item() if N else 0.0,
+                "adv_full_abs_mean": tracks.adv_full[rows].abs().mean().item() if rows.any() else 0.0}
+    if tracks.dual:
+        metrics |= {"reward_schema_mean": tracks.r_schema.mean().item(),
+                    "adv_schema_abs_max": tracks.adv_schema.abs().max().item() if N else 0.0}
+    if totals is None:
         return metrics | {"loss": 0.0, "tokens": 0, "skipped": True}
-
-    # --- mini-batches of whole groups (one optimizer step each), each split into micro-batches of similar length
-    per_mini = (N // G) // cfg.mini_batches
-    parts = [[i for i in idx if i // G // per_mini == b] for b in range(cfg.mini_batches)]
-    minis = [_mini_batch(model, trajs, part, adv_full, adv_schema, truncated, dual, cfg, device) for part in parts]
-    tokens = sum(mb["tokens"] for mb in minis)
-    forwarded = sum(mb["forwarded"] for mb in minis)
-    metrics["schema_tokens"] = int(sum(mb["schema_tokens"] for mb in minis))
-    if cfg.kl_beta > 0 and ref_model is None:
-        raise ValueError("kl_beta > 0 needs ref_model (a frozen copy of the initial policy)")
-    lagged = cfg.mini_batches * cfg.ppo_epochs > 1  # some pass runs on weights an earlier step already moved
-    with torch.no_grad():
-        for mb in minis:
-            mb["old"] = [None] * len(mb["micro"])
-            mb["ref"] = [token_logprobs(ref_model, mb["input_ids"][m], mb["loss_mask"][m], cfg.temperature)[0]
-                         for m in mb["micro"]] if cfg.kl_beta > 0 else []
-            if lagged and cfg.recompute_old_logp:  # the old policy is the weights before the FIRST step
-                mb["old"] = [token_logprobs(model, mb["input_ids"][m], mb["loss_mask"][m], cfg.temperature)[0]
-                             for m in mb["micro"]]
-
-    was_training = model.training
-    model.train()
-    sums = dict(loss_full=0.0, loss_schema=0.0, kl_ref=0.0, clip_high=0.0, clip_low=0.0, approx_kl=0.0,
-                entropy=0.0, sampler_kl=0.0, ratio_sum=0.0)
-    lows = {"ratio_min": float("inf")}
-    highs = {"ratio_max": float("-inf")}
-    grad_norm = 0.0
-    steps = 0
-    for epoch in range(cfg.ppo_epochs):
-        for mb in minis:
-            if mb["forwarded"] == 0:  # on no rank: an empty step would still move the weights (momentum, decay)
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            for j, m in enumerate(mb["micro"]):
-                filler = j >= len(mb["micro"]) - mb["fillers"]  # forward and backward for FSDP, zero loss
-                mask = mb["loss_mask"][m] * (not filler)
-                logp, ent = token_logprobs(model, mb["input_ids"][m], mask, cfg.temperature, with_entropy=epoch == 0)
-                if mb["old"][j] is None:  # one step on fresh weights: its own log-probs ARE the old policy's
-                    mb["old"][j] = logp.detach() if cfg.recompute_old_logp else mb["old_logp"][m]
-                if epoch == 0:
-                    sums["entropy"] += (ent * mask).sum().item()
-                    sums["sampler_kl"] += (k3_kl(mb["old_logp"][m], logp.detach()) * mask).sum().item()  # KL(q||π)
-                loss_full, st = policy_loss(logp, mb["old"][j], mb["adv_full"][m], mask, cfg.eps_low, cfg.eps_high,
-                                            cfg.agg, mb["n_full"])
-                loss = loss_full
-                if dual:
-                    loss_schema, _ = policy_loss(logp, mb["old"][j], mb["adv_schema"][m], mb["schema_mask"][m] * mask,
-                                                 cfg.eps_low, cfg.eps_high, cfg.agg, mb["n_schema"])
-                    loss = loss + cfg.schema_lambda * loss_schema
-                    sums["loss_schema"] += loss_schema.item()
-                if cfg.kl_beta > 0:
-                    kl = (k3_kl(logp, mb["ref"][j]) * mask).sum() / max(mb["tokens"], 1)  # token mean, mini-batch
-                    loss = loss + cfg.kl_beta * kl
-                    sums["kl_ref"] += kl.item()
-                if loss.requires_grad:  # micro-batch losses already carry the global normaliser: they just add up
-                    loss.backward()
-                sums["loss_full"] += loss_full.item()
-                for k in ("clip_high", "clip_low", "approx_kl", "ratio_sum"):
-                    sums[k] += st[k]
-                lows["ratio_min"] = min(lows["ratio_min"], st["ratio_min"])
-                highs["ratio_max"] = max(highs["ratio_max"], st["ratio_max"])
-            sum_grads_over_ranks(model)
-            grad_norm += torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-            optimizer.step()
-            steps += 1
-    model.train(was_training)
-
-    total = stats_over_ranks(sums, lows, highs, device)
+    metrics["schema_tokens"] = int(sum(mb.schema_tokens for mb in minis))
+    lows = {"ratio_min": totals.pop("ratio_min")}
+    highs = {"ratio_max": totals.pop("ratio_max")}
+    steps = totals.pop("optimizer_steps")
+    grad_norm = totals.pop("grad_norm")
+    device = minis[0].input_ids.device
+    total = stats_over_ranks(totals, lows, highs, device)
+    forwarded = sum(mb.forwarded for mb in minis)
     passes = max(forwarded * cfg.ppo_epochs, 1)  # stats are over forwarded tokens
     per_step = max(steps, 1)
     metrics |= {
@@ -325,28 +333,49 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
         "kl_ref": total["kl_ref"] / per_step, "grad_norm": grad_norm / per_step, "optimizer_steps": steps,
         "clip_frac_high": total["clip_high"] / passes, "clip_frac_low": total["clip_low"] / passes,
         "approx_kl": total["approx_kl"] / passes, "entropy": total["entropy"] / max(forwarded, 1),
-        "sampler_kl": total["sampler_kl"] / max(forwarded, 1), "tokens": int(tokens), "skipped": False,
-        "forwarded_tokens": int(forwarded), "ratio_mean": total["ratio_sum"] / passes,
+        "sampler_kl": total["sampler_kl"] / max(forwarded, 1), "tokens": int(sum(mb.tokens for mb in minis)),
+        "skipped": False, "forwarded_tokens": int(forwarded), "ratio_mean": total["ratio_sum"] / passes,
         "ratio_min": total["ratio_min"] if steps else 1.0, "ratio_max": total["ratio_max"] if steps else 1.0,
     }
     metrics["loss"] = metrics["loss_full"] + cfg.schema_lambda * metrics["loss_schema"]
     return metrics
 
+# -----------------------------------------------------------------------------
+# mini-batches: the rows of one optimizer step, their micro-batches and normalisers
 
-def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, device):
-    """Right-padded tensors of rows idx, their micro-batches (rows of similar length, each cut to its longest row) and
-    the mini-batch's global normalisers (all micro-batches, all ranks)."""
+
+@dataclass
+class MiniBatch:
+    input_ids: torch.Tensor    # (B, T) right-padded rows that carry a signal (or one placeholder row)
+    loss_mask: torch.Tensor    # (B, T) the sampled tokens the loss uses
+    schema_mask: torch.Tensor  # (B, T) those of turns up to the last propose_schema (dual track)
+    adv_full: torch.Tensor     # (B, T) each token's advantage, 0 where masked
+    adv_schema: torch.Tensor   # (B, T)
+    old_logp: torch.Tensor     # (B, T) the sampler's log-probs
+    micro: list                # [(rows, columns)] slices of each micro-batch, right padding cut; FSDP fillers last
+    fillers: int               # trailing micro-batches that forward row 0 with a zero loss (FSDP)
+    n_full: float              # the surrogate's normaliser over the mini-batch on all ranks (policy_loss's denom)
+    n_schema: float
+    tokens: float              # active tokens, all ranks
+    schema_tokens: float
+    forwarded: float           # active tokens of the rows that carry a signal, all ranks
+    old: list = None           # per micro-batch: the old policy's log-probs (None: the first pass's own)
+    ref: list = None           # per micro-batch: the reference's log-probs (KL only)
+
+
+def mini_batch(model, trajs, idx, tracks, truncated, cfg, device):
+    """The MiniBatch of rows idx: right-padded tensors, micro-batches of rows of similar length (each cut to its
+    longest row), and the mini-batch's global normalisers (all micro-batches, all ranks)."""
     idx = sorted(idx, key=lambda i: len(trajs[i].token_ids))
-    mb = build_batch([trajs[i] for i in idx] or [_placeholder_row(cfg.pad_id)], cfg.pad_id, device)
-    mb["loss_mask"] *= (~truncated[idx]).float().to(device).unsqueeze(1) if idx else 0.0
+    b = build_batch([trajs[i] for i in idx] or [_placeholder_row(cfg.pad_id)], cfg.pad_id, device)
+    loss_mask = b["loss_mask"] * ((~truncated[idx]).float().to(device).unsqueeze(1) if idx else 0.0)
     propose = torch.tensor([trajs[i].episode.propose_turn for i in idx] or [-1], device=device)
-    mb["schema_mask"] = schema_track_mask(mb["loss_mask"], mb["turn_ids"], propose) if dual else \
-        torch.zeros_like(mb["loss_mask"])
+    schema_mask = schema_track_mask(loss_mask, b["turn_ids"], propose) if tracks.dual else torch.zeros_like(loss_mask)
 
     def per_row(adv):  # (B, 1)
         return (adv[idx] if idx else torch.zeros(1)).to(device).unsqueeze(1)
-    mb["adv_full"] = per_row(adv_full) * mb["loss_mask"]  # (B, T)
-    mb["adv_schema"] = per_row(adv_schema) * mb["schema_mask"]
+    adv_full = per_row(tracks.adv_full) * loss_mask  # (B, T)
+    adv_schema = per_row(tracks.adv_schema) * schema_mask
 
     def denom(mask):
         if cfg.agg == "token_mean":
@@ -357,23 +386,38 @@ def _mini_batch(model, trajs, idx, adv_full, adv_schema, truncated, dual, cfg, d
     # a row with no active token, or (without a KL term) whose tokens all have advantage 0 on both tracks, adds
     # nothing to the gradient: it counts in the normalisers but is never forwarded (in a group of 4 mostly-wrong
     # rollouts, most rows; the advantages are already masked)
-    live = mb["loss_mask"].any(1) if cfg.kl_beta > 0 else ((mb["adv_full"] != 0) | (mb["adv_schema"] != 0)).any(1)
-    n_full, n_schema, tokens, schema_tokens, forwarded = over_ranks(torch.stack([
-        denom(mb["loss_mask"]), denom(mb["schema_mask"]), mb["loss_mask"].sum(), mb["schema_mask"].sum(),
-        mb["loss_mask"][live].sum()]).float()).tolist()
-    rows = live.nonzero().flatten().tolist()
-    idx = [idx[j] for j in rows]
-    mb = {k: v[rows or [0]] for k, v in mb.items()}
+    live = loss_mask.any(1) if cfg.kl_beta > 0 else ((adv_full != 0) | (adv_schema != 0)).any(1)
+    counts = [denom(loss_mask), denom(schema_mask), loss_mask.sum(), schema_mask.sum(), loss_mask[live].sum()]
+    n_full, n_schema, tokens, schema_tokens, forwarded = over_ranks(torch.stack(counts).float()).tolist()
+    kept = live.nonzero().flatten().tolist()
+    idx = [idx[j] for j in kept]
+    tensors = [x[kept or [0]] for x in (b["input_ids"], loss_mask, schema_mask, adv_full, adv_schema, b["old_logp"])]
     if not idx:  # one placeholder row (FSDP's filler passes forward it) with nothing to learn
-        for k in ("loss_mask", "schema_mask", "adv_full", "adv_schema"):
-            mb[k] = torch.zeros_like(mb[k])
+        tensors[1:5] = [torch.zeros_like(x) for x in tensors[1:5]]
     lengths = [len(trajs[i].token_ids) for i in idx]
     micro = [(slice(s, s + cfg.micro_batch_size), slice(0, max(lengths[s: s + cfg.micro_batch_size])))
              for s in range(0, len(idx), cfg.micro_batch_size)]  # (rows, columns): right padding is cut off
     fillers = fsdp_fillers(model, len(micro), device)  # each forwards row 0 with a zero loss
     micro += [(slice(0, 1), slice(None))] * fillers
-    return mb | dict(micro=micro, fillers=fillers, rows=len(idx), n_full=n_full, n_schema=n_schema, tokens=tokens,
+    return MiniBatch(*tensors, micro=micro, fillers=fillers, n_full=n_full, n_schema=n_schema, tokens=tokens,
                      schema_tokens=schema_tokens, forwarded=forwarded)
+
+
+def fixed_logprobs(model, ref_model, minis, cfg):
+    """Each micro-batch's log-probs that stay fixed through the update: the reference's (KL), and the old policy's
+    where a pass runs on weights an earlier optimizer step already moved (the old policy is the weights before the
+    first step); elsewhere the first pass's own log-probs stand in (micro_batch_loss)."""
+    lagged = cfg.mini_batches * cfg.ppo_epochs > 1
+    with torch.no_grad():
+        for mb in minis:
+            mb.old = [None] * len(mb.micro)
+            mb.ref = []
+            if cfg.kl_beta > 0:
+                mb.ref = [token_logprobs(ref_model, mb.input_ids[m], mb.loss_mask[m], cfg.temperature)[0]
+                          for m in mb.micro]
+            if lagged and cfg.recompute_old_logp:
+                mb.old = [token_logprobs(model, mb.input_ids[m], mb.loss_mask[m], cfg.temperature)[0]
+                          for m in mb.micro]
 
 
 def _placeholder_row(pad_id):
