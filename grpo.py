@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from distributed import fsdp_fillers, is_fsdp, over_ranks, stats_over_ranks, sum_grads_over_ranks
+from model import predicting_logits
 
 TRUNCATED = ("max_tokens", "context")  # stop reasons that cut a turn mid-generation; max_turns is a real ending
 
@@ -121,19 +122,15 @@ def build_batch(trajs, pad_id=0, device="cpu"):
 
 
 def token_logprobs(model, input_ids, mask, temperature=1.0, with_entropy=False):
-    """log π(x_t | x_<t) at the sampling temperature, (B, T), 0 where mask == 0 (incl. t = 0).
-    The LM head runs only on positions that predict an active token: most of a multi-turn sequence is prompt
-    and observations, and the (positions × vocab) logits are the largest activation."""
+    """log π(x_t | x_<t) at the sampling temperature, (B, T), 0 where mask == 0 (incl. t = 0); the LM head runs on
+    the positions that predict an active token only (model.predicting_logits)."""
     target = mask[:, 1:] > 0  # position t-1 predicts token t
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
-    if hasattr(model, "lm_head") and hasattr(model, "model") and not is_fsdp(model):  # HF causal LM: body, then head
-        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1][target]  # (N, D)
-        logits = model.lm_head(hidden).float() / temperature  # (N, V)
-    else:
-        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][target].float() / temperature
+    logits, tokens = predicting_logits(model, input_ids, mask, full_forward=is_fsdp(model))  # (N, V), (N,)
+    logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, input_ids[:, 1:][target].unsqueeze(1)).squeeze(1) - logz
+    picked = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logz
     logp[:, 1:][target] = picked
     if with_entropy:
         with torch.no_grad():

@@ -352,6 +352,23 @@ def load_weights(model, path):
     return model
 
 # -----------------------------------------------------------------------------
+# the forward a training loss reads: only the positions that predict a trained token reach the LM head
+
+
+def predicting_logits(model, input_ids, mask, full_forward=False):
+    """fp32 logits (N, V) of the positions that predict a token where mask > 0 (position t-1 predicts token t), and
+    those tokens (N,). Most of a multi-turn sequence is prompt and observations, and the (positions x vocab) logits
+    are the largest activation, so the LM head runs on these positions only. full_forward: through the root
+    module's forward, where FSDP2 gathers the parameters."""
+    target = mask[:, 1:] > 0  # (B, T - 1)
+    if full_forward:
+        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][target]
+    else:
+        hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1][target]  # (N, D)
+        logits = model.get_output_embeddings()(hidden)
+    return logits.float(), input_ids[:, 1:][target]
+
+# -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
     from cli import ArgumentParser

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from model import predicting_logits
+
 # -----------------------------------------------------------------------------
 # rows: chat messages -> (ids, mask)
 
@@ -102,8 +104,7 @@ def pad_batch(rows, pad_id, device):
 
 class AgentTokenLoss(torch.nn.Module):
     """SFT loss as a module, so DDP wraps the whole computation: summed next-token NLL over agent tokens divided by
-    ALL ranks' agent tokens, x world because DDP averages gradients. The LM head runs only on positions that predict
-    an agent token: most of a multi-turn sequence is prompt and observations."""
+    ALL ranks' agent tokens, x world because DDP averages gradients (the LM head on agent tokens only)."""
 
     def __init__(self, model, full_forward=False):
         super().__init__()
@@ -111,10 +112,5 @@ class AgentTokenLoss(torch.nn.Module):
         self.full_forward = full_forward  # FSDP: go through the root module's forward
 
     def forward(self, ids, mask, global_tokens, world):  # ids, mask: (B, T), right padded
-        target = mask[:, 1:] > 0  # position t-1 predicts token t
-        if self.full_forward:
-            logits = self.model(input_ids=ids).logits[:, :-1][target].float()  # (N, V)
-        else:
-            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1][target]  # (N, D)
-            logits = self.model.get_output_embeddings()(hidden).float()  # (N, V)
-        return F.cross_entropy(logits, ids[:, 1:][target], reduction="sum") / global_tokens * world
+        logits, targets = predicting_logits(self.model, ids, mask, self.full_forward)  # (N, V), (N,)
+        return F.cross_entropy(logits, targets, reduction="sum") / global_tokens * world

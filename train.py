@@ -243,7 +243,7 @@ def train_sft(model, tokenizer, rows, args, ctx, state, ckpt):
         t0 = time.perf_counter()
         idx = take(len(rows), args.sft_batch_size, args.seed, step * args.sft_batch_size)
         mine = sorted((rows[i] for i in idx[rank::world]), key=lambda r: len(r[0]))  # similar lengths: less padding
-        tokens = over_ranks(torch.tensor(agent_tokens(mine))).item()
+        tokens = over_ranks(torch.tensor(agent_tokens(mine), dtype=torch.float64)).item()  # exact past 2^24
         loss_sum = 0.0
         chunks = [mine[i: i + micro] for i in range(0, len(mine), micro)]  # global normaliser: split-invariant
         for j, chunk in enumerate(chunks):
