@@ -197,8 +197,10 @@ def turned_around(records, stats, width=110):
         return []
     question = max(moved)[1]
     mine = [r for r in records if r["stage"] == "practice" and r["question_id"] == question]
-    wrong = next(r for r in mine if r["after"] == "sft" and not r["correct"])
-    right = next(r for r in mine if r["after"] == "rl" and r["correct"])
+    wrong = next((r for r in mine if r["after"] == "sft" and not r["correct"]), None)
+    right = next((r for r in mine if r["after"] == "rl" and r["correct"]), None)
+    if wrong is None or right is None:  # a log that lacks the samples (a run resumed from an older checkpoint)
+        return []
     q = stats["questions"][question]
     lines = [f"a practice question RL turned around (pass@1 {q['sft']:.2f} -> {q['rl']:.2f}): {wrong['question']}"]
     for label, record in (("after SFT, wrong", wrong), ("after RL, right", right)):
