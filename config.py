@@ -65,12 +65,12 @@ RECIPES = {
 # --preset demo (the default without --model): the demo's sizes on top of the recipe, for a 2-core CPU. A short
 # system prompt (the paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and
 # answers. RL practises a fixed set of training questions that SFT solves sometimes but not always (4 rollouts each
-# of 128 candidates), 8 per GRPO step, each twice, and measures them before and after with draws of their own. One
+# of 96 candidates), 8 per GRPO step, each twice, and measures them before and after with draws of their own. One
 # sequence per forward + backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
 DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
             max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
             sft_lr=1e-4, warmup_ratio=0.05, rl_epochs=2, rl_batch_size=8, ppo_mini_batches=1,
-            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=128, filter_top_n=0,
+            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=96, filter_top_n=0,
             filter_pass_rate=1.0, filter_solved_once=True, filter_unsolved_n=0, practice_k=4, dynamic_sampling=0,
             eval_limit=100, spider_limit=0, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test

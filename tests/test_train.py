@@ -52,7 +52,7 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
 
 def test_the_demo_takes_skyrls_reward_under_the_trust_recipe_and_no_other():
     demo = config.get_args([])  # smollm2 and the trust recipe: the demo's reward, its sizes
-    assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 128, 0, 8)
+    assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 96, 0, 8)
     assert (demo.filter_pass_rate, demo.filter_solved_once, demo.practice_k, demo.spider_limit) == (1.0, True, 4, 0)
     assert config.get_args(["--recipe", "trail"]).reward == "trail"  # the demo's sizes, the paper's reward
     assert config.get_args(["--model", "tiny"]).reward == "trust"  # no demo: the recipe's reward
