@@ -21,8 +21,10 @@ import torch
 import cli
 import env
 from eval import trained_settings
+from grpo import GRPOConfig
 from model import AUTO_DTYPE, DTYPE_CHOICES
 from rewards import REWARDS
+from rollout import RolloutConfig
 
 ROOT = Path(__file__).resolve().parent
 
@@ -230,7 +232,7 @@ def get_parser(add_help=True):
     p.add_argument("--seed", type=int, default=0, help="data order, rollouts and the tiny model's init")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu or cuda (torchrun: per rank)")
-    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of DDP")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of whole replicas")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer for SFT and GRPO (GPU: 2.5x faster)")
     p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
@@ -316,3 +318,26 @@ def describe(args):
     if args.preset == "demo" and args.reward == DEMO_REWARD.get(args.recipe):
         line += f", reward {args.reward} (the demo's, in place of the recipe's {RECIPES[args.recipe]['reward']})"
     return line
+
+# -----------------------------------------------------------------------------
+# the settings objects library code takes, built from the flags once
+
+
+def rollout_config(args, protocol):
+    """How the run rolls out, in the protocol (variant) named: the filter, RL and the practice measurement sample
+    with it; evaluation decodes it greedily."""
+    return RolloutConfig(protocol=protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
+                         max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                         temperature=args.temperature, top_p=args.top_p)
+
+
+def grpo_config(args, pad_id):
+    """GRPOConfig from the flags; an fp32 sampler has the model's own weights: its log-probs are the old policy's."""
+    return GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
+                      eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
+                      micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
+                      trajectory_filter=bool(args.traj_filter), dynamic_sampling=bool(args.dynamic_sampling),
+                      ppo_epochs=args.ppo_epochs, mini_batches=args.ppo_mini_batches, kl_beta=args.kl_beta,
+                      agg=args.agg, dr_grpo_len=args.max_total_tokens, scale_std=bool(args.scale_std),
+                      mask_truncated=bool(args.mask_truncated), naive_schema_weight=args.naive_schema_weight,
+                      recompute_old_logp=not (args.dtype == "fp32" and args.temperature > 0), pad_id=pad_id)

@@ -1,7 +1,8 @@
 """
 Ranks: torchrun's world (WORLD_SIZE, RANK, LOCAL_RANK; plain python is a world of one), the model placed for
-training on it (FSDP2 shards or DDP replicas, gradient checkpointing and per-layer compile on a GPU), the reductions
-over ranks the rest of the code needs, and the step that makes a rank's gradient the global one (GRPO's update).
+training on it (FSDP2 shards or whole replicas, gradient checkpointing and per-layer compile on a GPU), the reductions
+over ranks the rest of the code needs, and the step that makes a rank's gradient the global one (SFT's and
+GRPO's updates).
 
     torchrun --nproc_per_node 8 train.py --model Qwen/Qwen3-4B --fsdp      # train.py calls setup_distributed
 """
@@ -53,9 +54,9 @@ def compile_layers(model, backend="inductor"):
 
 
 def distribute(model, fsdp, world, device, bf16=False, compile=False):
-    """Place the model for training on `world` ranks: FSDP2 (shard), or the same starting weights on every rank
-    (DDP would broadcast them too, but RL uses the bare model). Gradient checkpointing on GPU; compile: per layer.
-    Returns wrap(module): DDP around a module under plain data parallelism, else the module itself."""
+    """Place the model for training on `world` ranks: FSDP2 (shard), or the same starting weights on every rank.
+    No DDP wrapper: both stages divide each rank's loss by the global normaliser and sum the gradients
+    (sum_grads_over_ranks). Gradient checkpointing on GPU; compile: per layer."""
     cuda = str(device).startswith("cuda")
     if cuda:
         model.activation_checkpointing_enable()  # transformers 5 renamed gradient_checkpointing_enable
@@ -67,13 +68,6 @@ def distribute(model, fsdp, world, device, bf16=False, compile=False):
     elif world > 1:
         for p in model.state_dict().values():
             dist.broadcast(p, 0)
-
-    def wrap(module):
-        if world > 1 and not fsdp:
-            from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(module, device_ids=[int(os.environ.get("LOCAL_RANK", 0))] if cuda else None)
-        return module
-    return wrap
 
 # -----------------------------------------------------------------------------
 # collectives: every function is a no-op in a world of one. Each rank holds whole GRPO groups and divides its loss by
@@ -132,7 +126,8 @@ def fsdp_fillers(model, passes, device):
 
 def sum_grads_over_ranks(model):
     """Make every rank's gradient the gradient of the global loss. Each rank's loss is already divided by the global
-    normaliser, so the global gradient is the SUM over ranks (DDP and FSDP would average instead)."""
+    normaliser, so the global gradient is the SUM over ranks (DDP and FSDP would average instead). One all-reduce
+    per parameter, after the backward (SFT and GRPO alike)."""
     world = world_size()
     if world == 1:
         return
@@ -146,7 +141,3 @@ def sum_grads_over_ranks(model):
             if p.grad is None:  # a rank whose rows were all filtered still joins the all-reduce
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-
-
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model

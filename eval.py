@@ -24,17 +24,19 @@ import os
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from distributed import all_ranks, over_ranks, unwrap
+from distributed import all_ranks, over_ranks
 from model import AUTO_DTYPE, DTYPE_CHOICES, TORCH_DTYPES, resolve_dtype
 from cli import ArgumentParser, die, existing_file, nonneg_int, positive_int
 from env import load_examples, run_many
 from memory import cache_rows
+from rollout import RolloutConfig
 from rewards import SCORE_MAX_ROWS, gold_order_matters, gold_results, is_correct  # shared with the rewards
 from taxonomy import classify_failure
 from data.spider.prepare import spider_hardness, spider_sql, ts_databases, write_spider_files  # test-suite rules
@@ -166,14 +168,16 @@ def difficulty_of(example: dict) -> str:
 # evaluation loop: batched rollouts, then batched execution for scoring
 
 
-def run_agent(model, tokenizer, examples, *, group_size, batch_size, desc, **rollout_kw):
+def run_agent(model, tokenizer, examples, cfg, *, group_size, batch_size, desc, seed, draw_keys=None):
     """Trajectories (group-major, group_size per example) and wall-clock seconds per question: one continuous batch
-    of at most batch_size rows, so a question's latency is its own rows' time, not its batch's longest row."""
-    from rollout import rollout
+    of at most batch_size rows under the RolloutConfig cfg, so a question's latency is its own rows' time, not its
+    batch's longest row."""
+    from rollout import rollout  # looked up at call time: tests replace it with a scripted policy
     # shown by rank 0 also when stderr is a log file: the filter and an evaluation round run for minutes
     with tqdm(total=len(examples) * group_size, desc=desc, unit="traj", disable=os.environ.get("RANK", "0") != "0",
               mininterval=2) as bar:
-        trajs = rollout(model, tokenizer, examples, group_size=group_size, max_rows=batch_size, bar=bar, **rollout_kw)
+        trajs = rollout(model, tokenizer, examples, **vars(cfg), group_size=group_size, seed=seed, max_rows=batch_size,
+                        bar=bar, draw_keys=draw_keys)
     latency = [max(sum(t.turn_times) for t in trajs[i * group_size:(i + 1) * group_size]) for i in range(len(examples))]
     return trajs, latency
 
@@ -195,25 +199,22 @@ def traj_record(t, correct: bool, text: str | None = None) -> dict:
     return rec
 
 
-def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none", max_turns=15, samples=1,
-             temperature=0.8, scoring="bird", batch_size=16, seed=0, max_new_tokens=1024, max_total_tokens=16384,
-             top_p=1.0, exec_timeout_s=30.0, workers=4, out_dir=None, name="eval", ts_dir=None, ves_runs=0) -> dict:
-    """Greedy EX always; maj@K and pass@k when samples > 1; BIRD's VES and R-VES of the greedy answers when scoring
-    is bird and ves_runs > 0. Returns the summary dict; with out_dir, also writes predictions.jsonl and summary.json
-    there, and for Spider scorings the test-suite evaluator's pred.txt and gold.txt. train.py calls this for periodic
-    dev evaluation. ts_dir: the test-suite databases (see score)."""
+def evaluate(model, tokenizer, examples, cfg=RolloutConfig(), *, samples=1, scoring="bird", batch_size=16, seed=0,
+             exec_timeout_s=30.0, workers=4, out_dir=None, name="eval", ts_dir=None, ves_runs=0) -> dict:
+    """Greedy EX always (cfg at temperature 0); maj@K and pass@k (sampled at cfg's temperature and top-p) when
+    samples > 1; BIRD's VES and R-VES of the greedy answers when scoring is bird and ves_runs > 0. Returns the summary
+    dict; with out_dir, also writes predictions.jsonl and summary.json there, and for Spider scorings the test-suite
+    evaluator's pred.txt and gold.txt. ts_dir: the test-suite databases (see score)."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     if not examples:
         raise ValueError("evaluate() got no examples")
     t_start = time.perf_counter()
-    kw = dict(protocol=protocol, max_turns=max_turns, max_new_tokens=max_new_tokens,
-              max_total_tokens=max_total_tokens, top_p=top_p, schema_mode=schema_mode)
     n = len(examples)
 
     # greedy: temperature 0, one trajectory per question
-    g_trajs, g_lat = run_agent(model, tokenizer, examples, group_size=1, batch_size=batch_size, desc="greedy",
-                               temperature=0.0, seed=seed, **kw)
+    g_trajs, g_lat = run_agent(model, tokenizer, examples, replace(cfg, temperature=0.0), group_size=1,
+                               batch_size=batch_size, desc="greedy", seed=seed)
     g_sqls = [t.episode.final_sql for t in g_trajs]
     g_ok, g_res, golds = score(examples, g_sqls, scoring, exec_timeout_s, workers, ts_dir)
     ves = bird_ves(examples, g_sqls, g_ok, ves_runs, exec_timeout_s) if scoring == "bird" and ves_runs else None
@@ -221,8 +222,8 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
     # sampled: K trajectories per question for maj@K and pass@k
     K = samples
     if K > 1:
-        s_trajs, s_lat = run_agent(model, tokenizer, examples, group_size=K, batch_size=batch_size, desc=f"sample x{K}",
-                                   temperature=temperature, seed=seed + 1, **kw)
+        s_trajs, s_lat = run_agent(model, tokenizer, examples, cfg, group_size=K, batch_size=batch_size,
+                                   desc=f"sample x{K}", seed=seed + 1)
         s_ok, s_res, _ = score([ex for ex in examples for _ in range(K)], [t.episode.final_sql for t in s_trajs],
                                scoring, exec_timeout_s, workers, ts_dir)
         maj_idx = [majority_vote(s_res[i * K:(i + 1) * K]) for i in range(n)]
@@ -262,8 +263,9 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
             err_examples[lab[0]] = {"id": ex.get("id"), "question": ex["question"], "gold_sql": ex["gold_sql"],
                                     "final_sql": g_trajs[i].episode.final_sql, "detail": lab[1]}
 
-    summary = {"name": name, "n": n, "protocol": protocol, "schema_mode": schema_mode, "max_turns": max_turns,
-               "samples": K, "temperature": temperature, "scoring": scoring, "seed": seed,
+    summary = {"name": name, "n": n, "protocol": cfg.protocol, "schema_mode": cfg.schema_mode,
+               "max_turns": cfg.max_turns, "samples": K, "temperature": cfg.temperature, "scoring": scoring,
+               "seed": seed,
                "spider_ts_dir": str(ts_dir) if ts_dir else None, "ves_machine": machine() if ves else None,
                "metrics": mean(per_q), "by_difficulty": by_diff,
                "cost": {"greedy": cost_row(g_trajs, g_lat)},
@@ -302,15 +304,15 @@ def evaluate(model, tokenizer, examples, *, protocol="trust", schema_mode="none"
 # during training (train.py): greedy EX of the eval sets in one batch
 
 
-def evaluate_ex(model, tokenizer, evalsets, args, rank, world):
-    """Greedy EX of every eval set {name: examples} from ONE continuous batch over this rank's share of all of them
-    (one tail of long rows instead of one per set), each set scored by its own rule; summed over ranks."""
+def evaluate_ex(model, tokenizer, evalsets, cfg, batch_size, seed, rank, world):
+    """Greedy EX (cfg's settings at temperature 0, top-p 1) of every eval set {name: examples} from ONE continuous
+    batch over this rank's share of all of them (one tail of long rows instead of one per set), each set scored by
+    its own rule; summed over ranks."""
     mine = {name: examples[rank::world] for name, examples in evalsets.items()}
     flat = [ex for examples in mine.values() for ex in examples]
-    trajs, _ = run_agent(unwrap(model), tokenizer, flat, group_size=1, batch_size=args.eval_batch_size, desc="eval",
-                         protocol=args.protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
-                         max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
-                         temperature=0.0, top_p=1.0, seed=args.seed)
+    greedy = replace(cfg, temperature=0.0, top_p=1.0)
+    trajs, _ = run_agent(model, tokenizer, flat, greedy, group_size=1, batch_size=batch_size, desc="eval",
+                         seed=seed)
     out = {}
     start = 0
     for name, examples in mine.items():
@@ -502,11 +504,11 @@ if __name__ == "__main__":
         model.set_attn_implementation("sdpa")  # rollout's batched rows need per-row attention masks
     name = args.name or output_name(args.model, args.protocol, args.schema_mode, args.data)
     with torch.no_grad():
-        summary = evaluate(model, tokenizer, examples, protocol=args.protocol, schema_mode=args.schema_mode,
-                           max_turns=args.max_turns, samples=args.samples, temperature=args.temperature,
-                           scoring=scoring, batch_size=args.batch_size, seed=args.seed,
-                           max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
-                           top_p=args.top_p, exec_timeout_s=args.exec_timeout, ts_dir=ts_dir,
+        cfg = RolloutConfig(protocol=args.protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
+                            max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                            temperature=args.temperature, top_p=args.top_p)
+        summary = evaluate(model, tokenizer, examples, cfg, samples=args.samples, scoring=scoring,
+                           batch_size=args.batch_size, seed=args.seed, exec_timeout_s=args.exec_timeout, ts_dir=ts_dir,
                            ves_runs=args.ves_runs, out_dir=Path(args.out_dir) / name, name=name)
     if args.bird_predictions:
         with open(Path(args.out_dir) / name / "predictions.jsonl") as f:

@@ -10,7 +10,7 @@ GLOBAL count of those tokens (all ranks, all micro-batches), so the update does 
 
     python grpo.py            # one dual-track GRPO step on the tiny model with synthetic trajectories
 
-Under torch.distributed pass the bare model (no DDP wrapper; it would average what must be summed) or an FSDP2
+Under torch.distributed pass the bare model (no DDP wrapper: it would average what must be summed) or an FSDP2
 fully_shard'ed one: grpo_step makes each rank's gradient the global one itself.
 """
 from dataclasses import dataclass
@@ -176,6 +176,18 @@ class Tracks:
     keep: torch.Tensor        # (N,) bool: rows MTIR's trajectory filter keeps (all without it)
     dual: bool
 
+    def rows(self, index):
+        """These rows' rewards and advantages (whole groups: advantages are per group)."""
+        return Tracks(self.r_full[index], self.r_schema[index], self.adv_full[index], self.adv_schema[index],
+                      self.keep[index], self.dual)
+
+    @staticmethod
+    def cat(parts):
+        """One Tracks of the rows of parts, in order (DAPO's refill joins groups of several rollout rounds)."""
+        return Tracks(*(torch.cat([getattr(p, name) for p in parts])
+                        for name in ("r_full", "r_schema", "adv_full", "adv_schema", "keep")),
+                      any(p.dual for p in parts))
+
 
 def advantages(trajs, rewards, cfg: GRPOConfig) -> Tracks:
     """Group advantages of the terminal track and, when it is on, the schema track, over the rows the trajectory
@@ -198,14 +210,15 @@ def advantages(trajs, rewards, cfg: GRPOConfig) -> Tracks:
 
 def group_signal(tracks: Tracks, group_size):
     """(groups,) bool: does a group move the policy at all, some kept row with a nonzero advantage on a track the
-    loss uses? DAPO's refill (train.rollout_with_signal) asks this of fresh groups; grpo_step drops the rest."""
+    loss uses? DAPO's refill (practice.rollout_with_signal) asks this of fresh groups; grpo_step drops the rest."""
     return ((tracks.adv_full != 0) | (tracks.adv_schema != 0)).reshape(-1, group_size).any(1)
 
 
-def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None):
+def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None, tracks=None):
     """One GRPO update on group-major trajectories (group g = rows g·G .. g·G+G-1) and their reward dicts
-    (REWARDS output: "full" and "schema"). Under torch.distributed every rank calls it with its own whole groups
-    (any number, even none left after filtering); the returned metrics are global over ranks."""
+    (REWARDS output: "full" and "schema"); tracks: their advantages where the caller has computed them already
+    (practice.rollout_with_signal). Under torch.distributed every rank calls it with its own whole groups (any
+    number, even none left after filtering); the returned metrics are global over ranks."""
     G = cfg.group_size
     N = len(trajs)
     if N % G or len(rewards) != N:
@@ -218,7 +231,8 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None)
     device = next(model.parameters()).device
 
     # --- advantages, then the rows the loss uses (each filter counts what it removed, over all ranks)
-    tracks = advantages(trajs, rewards, cfg)
+    if tracks is None:
+        tracks = advantages(trajs, rewards, cfg)
     rows, flat_groups, truncated = loss_rows(trajs, tracks, cfg)
     counts = over_ranks(torch.tensor([int((~tracks.keep).sum()), int(flat_groups.sum()), int(truncated.sum()),
                                       int(rows.sum()), N], device=device)).tolist()

@@ -201,19 +201,19 @@ def release_freed_memory():
         pass
 
 
-def on_training_thread(device, fn, *args):
-    """fn(*args) on a thread of its own on the CPU (elsewhere right here), for training's forwards, backwards and
-    optimizer steps. glibc gives a new thread a heap of its own (an arena): the blocks under the mmap threshold that
+def on_training_thread(device, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread of its own on the CPU (elsewhere right here), for training's forwards, backwards
+    and optimizer steps. glibc gives a new thread a heap of its own (an arena): the blocks under the mmap threshold that
     a step frees stay in that heap, where the rest of the step reuses them, and the decoding on the main thread never
     re-touches them (release_freed_memory hands them back between steps). Larger blocks, most activations among
     them, are mapped afresh whichever thread asks. Autocast and grad mode are per thread: fn sets its own."""
     if torch.device(device).type != "cpu":
-        return fn(*args)
+        return fn(*args, **kwargs)
     out = {}
 
     def target():
         try:
-            out["value"] = fn(*args)
+            out["value"] = fn(*args, **kwargs)
         except BaseException as e:  # also SystemExit (--stop-after): raised again on the calling thread
             out["error"] = e
     thread = threading.Thread(target=target, name="train", daemon=True)  # daemon: Ctrl-C need not wait for it

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
-from distributed import barrier, unwrap
+from distributed import barrier
 
 # -----------------------------------------------------------------------------
 # Published shapes (config.json of each Hugging Face checkpoint), for random-init benchmarks on a GPU
@@ -257,7 +257,7 @@ def set_rng_state(state):
 
 def full_state_dict(model, fsdp):
     if not fsdp:
-        return None  # save_pretrained reads the (unwrapped) module itself
+        return None  # save_pretrained reads the module itself
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -278,7 +278,7 @@ def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, stat
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        unwrap(model).save_pretrained(tmp, state_dict=weights)
+        model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         torch.save({"optimizer": opt, "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
         write_state(tmp, state, gstep, args)

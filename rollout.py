@@ -34,6 +34,23 @@ import protocols
 _SENTINEL = "@@turn-content@@"
 
 # -----------------------------------------------------------------------------
+# RolloutConfig: how an episode runs, besides the model, the questions and the seed
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The protocol and its limits, and how tokens are sampled. train.py builds one from its flags, eval.py from its
+    own; greedy decoding is replace(cfg, temperature=0.0, top_p=1.0). rollout(**vars(cfg), ...) takes it field by
+    field."""
+    protocol: str = "trust"   # a name in protocols.PROTOCOLS, variants included
+    schema_mode: str = "none"
+    max_turns: int = 15
+    max_new_tokens: int = 1024
+    max_total_tokens: int = 16384
+    temperature: float = 0.8
+    top_p: float = 1.0
+
+# -----------------------------------------------------------------------------
 # Trajectory: what the trainer consumes
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from distributed import sum_grads_over_ranks
 from model import predicting_logits
 
 # -----------------------------------------------------------------------------
@@ -102,15 +103,29 @@ def pad_batch(rows, pad_id, device):
     return ids.to(device), mask.to(device)
 
 
-class AgentTokenLoss(torch.nn.Module):
-    """SFT loss as a module, so DDP wraps the whole computation: summed next-token NLL over agent tokens divided by
-    ALL ranks' agent tokens, x world because DDP averages gradients (the LM head on agent tokens only)."""
+def sft_loss(model, ids, mask, global_tokens, full_forward=False):
+    """Summed next-token NLL over agent tokens divided by ALL ranks' agent tokens, so that the ranks' gradients add
+    up to the global one (the LM head on agent tokens only). ids, mask: (B, T), right padded. full_forward: FSDP
+    goes through the root module's forward."""
+    logits, targets = predicting_logits(model, ids, mask, full_forward)  # (N, V), (N,)
+    return F.cross_entropy(logits, targets, reduction="sum") / global_tokens
 
-    def __init__(self, model, full_forward=False):
-        super().__init__()
-        self.model = model
-        self.full_forward = full_forward  # FSDP: go through the root module's forward
 
-    def forward(self, ids, mask, global_tokens, world):  # ids, mask: (B, T), right padded
-        logits, targets = predicting_logits(self.model, ids, mask, self.full_forward)  # (N, V), (N,)
-        return F.cross_entropy(logits, targets, reduction="sum") / global_tokens * world
+def sft_step(model, optimizer, rows, global_tokens, pad_id, *, micro_batch_size, grad_clip, autocast,
+             full_forward=False):
+    """One optimizer step on this rank's rows, micro_batch_size rows per forward and backward: the gradients add up
+    (the global normaliser makes the step split-invariant), then the sum over ranks, the clip and the step. Returns
+    this rank's share of the loss and the gradient norm."""
+    device = next(model.parameters()).device
+    loss_sum = 0.0
+    for i in range(0, len(rows), micro_batch_size):
+        ids, mask = pad_batch(rows[i: i + micro_batch_size], pad_id, device)
+        with autocast():
+            loss = sft_loss(model, ids, mask, global_tokens, full_forward)
+            loss.backward()
+        loss_sum += loss.item()
+    sum_grads_over_ranks(model)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm

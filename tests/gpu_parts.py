@@ -161,11 +161,12 @@ def part_collectives(args):
 
     import distributed
     import eval as evaluation
+    import practice
     import train
-    from argparse import Namespace
     from distributed import over_ranks, stats_over_ranks
     from grpo import GRPOConfig, grpo_step
     from rewards import REWARDS
+    from rollout import RolloutConfig
     from sft import agent_tokens
     device = args.device
     one_rank_group(device)
@@ -179,8 +180,8 @@ def part_collectives(args):
         return gathered
     real_world_size = distributed.world_size
     distributed.world_size = two_ranks
-    gathers = {m: m.all_ranks for m in (distributed, evaluation, train) if hasattr(m, "all_ranks")}
-    for module in gathers:  # imported by name into eval and train: patched where each one looks it up
+    gathers = {m: m.all_ranks for m in (distributed, evaluation, practice, train) if hasattr(m, "all_ranks")}
+    for module in gathers:  # imported by name into eval, practice and train: patched where each one looks it up
         module.all_ranks = gather_over_group
     model, tokenizer = tiny(device)
     exs = examples()
@@ -194,11 +195,11 @@ def part_collectives(args):
             raise AssertionError(f"reduced {reduced.tolist()} on {reduced.device}, sent {x.tolist()} on {x.device}")
         return f"{x.dtype} on {x.device}"
 
-    def sft_tokens():  # train.train_sft: over_ranks(torch.tensor(agent_tokens(mine)))
+    def sft_tokens():  # train.py's SFT loop: over_ranks(torch.tensor(agent_tokens(mine)))
         x = torch.tensor(agent_tokens([(t.token_ids, t.loss_mask) for t in trajs]))
         return same(over_ranks(x), x)
 
-    def sft_loss():  # train.train_sft: over_ranks(torch.tensor(loss_sum, dtype=torch.float64))
+    def sft_loss():  # train.py's SFT loop: over_ranks(torch.tensor(loss_sum, dtype=torch.float64))
         x = torch.tensor(1.25, dtype=torch.float64)
         return same(over_ranks(x), x)
 
@@ -208,13 +209,13 @@ def part_collectives(args):
 
     def metrics():
         rewards = [REWARDS["trust"](t, t.example) for t in trajs]
-        out = train.rollout_metrics(trajs, rewards)
+        out = practice.rollout_metrics(trajs, rewards)
         return f"{len(out)} means, turns {out['turns']:.2f}, sampled_tokens {out['sampled_tokens']:.1f}"
 
     def eval_counts():  # world=1 as the argument: it shards the questions by it, and the group has one rank
-        ns = Namespace(eval_batch_size=8, protocol="trust", schema_mode="none", max_turns=2, max_new_tokens=16,
-                       max_total_tokens=2048, seed=0)
-        out = evaluation.evaluate_ex(model, tokenizer, {"dev": exs[:2]}, ns, 0, 1)["dev"]
+        cfg = RolloutConfig(protocol="trust", schema_mode="none", max_turns=2, max_new_tokens=16,
+                            max_total_tokens=2048)
+        out = evaluation.evaluate_ex(model, tokenizer, {"dev": exs[:2]}, cfg, 8, 0, 0, 1)["dev"]
         gathered = ", its per-question gather through all_ranks too" if evaluation in gathers else ""
         return f"dev EX {out['ex']:.2f} over {out['n']} questions{gathered}"
 
@@ -223,13 +224,13 @@ def part_collectives(args):
         dist.all_gather_object(gathered, {ex["id"]: True for ex in exs[:2]})
         return f"{len(gathered[0])} entries back"
 
-    def filter_rates():  # train.pass_rates: the difficulty filter's and the practice set's per-question rates
-        rates, _, _ = train.pass_rates(model, tokenizer, exs[:2], REWARDS["trust"], 0, 1, 2, batch_size=8, seed=0,
-                                       protocol="trust", group_size=2, max_turns=2, max_new_tokens=16,
-                                       max_total_tokens=2048, temperature=1.0, top_p=1.0, schema_mode="none")
-        return f"{len(rates)} pass rates" + (", gathered through all_ranks" if train in gathers else "")
+    def filter_rates():  # practice.pass_rates: the difficulty filter's and the practice set's per-question rates
+        cfg = RolloutConfig(protocol="trust", schema_mode="none", max_turns=2, max_new_tokens=16,
+                            max_total_tokens=2048, temperature=1.0)
+        rates, _, _ = practice.pass_rates(model, tokenizer, exs[:2], cfg, REWARDS["trust"], 2, batch_size=8, seed=0)
+        return f"{len(rates)} pass rates" + (", gathered through all_ranks" if practice in gathers else "")
 
-    def records():  # what train_rl and the practice measurement gather for rollouts.jsonl (rank 0 writes them)
+    def records():  # what RL's loop and the practice measurement gather for rollouts.jsonl (rank 0 writes them)
         from report import trajectory_record
         rewards = [REWARDS["trust"](t, t.example) for t in trajs]
         mine = [trajectory_record(t, r, tokenizer, stage="rl", step=1) for t, r in zip(trajs, rewards)]
@@ -255,10 +256,10 @@ def part_collectives(args):
     checks = [("train SFT token count, host float32 over_ranks", sft_tokens),
               ("train SFT loss sum, host float64 over_ranks", sft_loss),
               ("host int64 over_ranks", host_int),
-              ("train.rollout_metrics, host float64", metrics),
+              ("practice.rollout_metrics, host float64", metrics),
               ("eval.evaluate_ex counts, host float64", eval_counts),
               ("object gather, dist.all_gather_object", object_gather),
-              ("train.pass_rates, the filter's and the practice set's rates", filter_rates),
+              ("practice.pass_rates, the filter's and the practice set's rates", filter_rates),
               ("train's rollouts.jsonl records, object gather", records),
               ("grpo counts, device int64 over_ranks", device_counts),
               ("grpo stats_over_ranks, device float64", device_stats),
@@ -474,7 +475,7 @@ def part_capture_fallback(args):
 def part_fsdp(args):
     """train.py's FSDP2 path on a one-rank group: the full decode copy made before sharding, distributed.distribute
     (activation checkpointing on CUDA, distributed.shard), a rollout from the copy, a grpo_step on the sharded model
-    under bf16 autocast (train.update), the copy refreshed (train.refresh_sampler), and a second rollout."""
+    under bf16 autocast (train.rl_update), the copy refreshed (train.refresh_sampler), and a second rollout."""
     import copy
     import functools
     from contextlib import nullcontext
@@ -491,7 +492,7 @@ def part_fsdp(args):
         model, tokenizer = tiny(device)  # fp32 master weights, as train.py loads them
         precision = resolve_dtype("auto", device)
         bf16 = precision == "bf16"
-        sampler = copy.deepcopy(model).to(TORCH_DTYPES[precision])  # train.run: the copy is made before sharding
+        sampler = copy.deepcopy(model).to(TORCH_DTYPES[precision])  # train.main: the copy is made before sharding
         # world=2 only takes distribute's FSDP branch (train.py shards when --fsdp and world > 1); fully_shard's mesh
         # is the group's own, one rank
         distribute(model, True, 2, device, bf16)
@@ -515,11 +516,11 @@ def part_fsdp(args):
             else nullcontext
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model.train()
-        out = train.update(model, opt, first, rewards, cfg, None, autocast)
+        out = train.rl_update(model, opt, first, rewards, cfg, None, None, autocast)
         print(f"grpo_step: loss {out['loss']:.4f}, {out['tokens']} tokens, grad norm {out['grad_norm']:.3g}, "
               f"{out['optimizer_steps']} optimizer step")
         before = [s.detach().clone() for s in sampler.parameters()]
-        train.refresh_sampler(sampler, model)  # what train.run's policy() calls before every rollout
+        train.refresh_sampler(sampler, model)  # what train.main calls before every rollout
         moved = max((s - b).abs().max().item() for s, b in zip(sampler.parameters(), before))
         off = max((s.float() - p.full_tensor().to(s.dtype).float()).abs().max().item()
                   for s, p in zip(sampler.parameters(), model.parameters()))

@@ -284,12 +284,13 @@ def test_progress_bar_reaches_a_log_file_from_rank_0_only(monkeypatch, capsys, r
     # captured stderr is not a terminal, as under `python train.py > log 2>&1`: the bar must still be written
     import rollout
 
-    def fake_rollout(model, tokenizer, examples, *, group_size, max_rows, bar, **kw):
+    def fake_rollout(model, tokenizer, examples, protocol, *, group_size, max_rows, bar, **kw):
         bar.update(len(examples) * group_size)
         return [SimpleNamespace(turn_times=[0.5, 0.25])] * (len(examples) * group_size)
     monkeypatch.setattr(rollout, "rollout", fake_rollout)
     monkeypatch.setenv("RANK", rank)
-    trajs, latency = ev.run_agent(None, None, [{}, {}, {}], group_size=2, batch_size=4, desc="greedy")
+    trajs, latency = ev.run_agent(None, None, [{}, {}, {}], ev.RolloutConfig(), group_size=2, batch_size=4,
+                                   desc="greedy", seed=0)
     assert len(trajs) == 6 and latency == [0.75] * 3
     assert ("greedy: 100%" in capsys.readouterr().err) == shown
 
@@ -409,9 +410,10 @@ def test_end_to_end_tiny_model_on_gym(gym_dir, tmp_path):
     examples = examples[::len(examples) // 20][:20]  # spread over the levels
     model, tokenizer = load_model("tiny", seed=0)
     with torch.no_grad():
-        summary = ev.evaluate(model, tokenizer, examples, protocol="trust", schema_mode="none", max_turns=2,
-                              samples=2, temperature=0.8, scoring="bird", batch_size=40, seed=0,
-                              max_new_tokens=16, max_total_tokens=800, out_dir=tmp_path / "tiny", name="tiny")
+        cfg = ev.RolloutConfig(protocol="trust", schema_mode="none", max_turns=2, max_new_tokens=16,
+                               max_total_tokens=800, temperature=0.8)
+        summary = ev.evaluate(model, tokenizer, examples, cfg, samples=2, scoring="bird", batch_size=40, seed=0,
+                              out_dir=tmp_path / "tiny", name="tiny")
     assert set(summary["metrics"]) == {"greedy_ex", "maj@2", "pass@1", "pass@2"}
     assert all(0.0 <= v <= 1.0 for v in summary["metrics"].values())
     assert summary["metrics"]["pass@2"] >= summary["metrics"]["pass@1"]

@@ -1,5 +1,5 @@
 """The practice set: RL practises training questions the SFT policy solves sometimes, and measures them after SFT and
-after RL with draws keyed by question and sample, shared with no other rollout of the run (train.measure_practice).
+after RL with draws keyed by question and sample, shared with no other rollout of the run (practice.measure_practice).
 A stand-in reward, "the first sampled token is even", gives the tiny random model pass rates between 0 and 1."""
 import json
 
@@ -10,6 +10,7 @@ import torch
 import engine
 import rollout
 import config
+import practice
 import train
 from model import latest_checkpoint, load_model
 from report import practice_stats
@@ -29,17 +30,20 @@ def parity_reward(monkeypatch):
     monkeypatch.setitem(REWARDS, "parity", first_token_even)
 
 
-def quick_args(*flags):
-    return config.get_args(["--model", "tiny", "--quick", "--reward", "parity", "--practice-k", "4",
-                           "--temperature", "1.0", *flags])
+def measure(model, tokenizer, pool, tag):
+    """The practice measurement of a quick run's settings: 4 samples a question at temperature 1."""
+    args = config.get_args(["--model", "tiny", "--quick", "--reward", "parity", "--practice-k", "4",
+                           "--temperature", "1.0"])
+    return practice.measure_practice(model, tokenizer, pool, config.rollout_config(args, args.protocol),
+                                     REWARDS[args.reward], args.practice_k, batch_size=args.eval_batch_size,
+                                     seed=args.seed, rank=0, world=1, tag=tag)
 
 
 def test_the_same_policy_measured_twice_gains_exactly_nothing(tiny, examples):
     model, tokenizer = tiny
-    args = quick_args()
     pool = examples[:6]
-    before, _ = train.measure_practice(model, tokenizer, pool, args, 0, 1, "sft")
-    after, _ = train.measure_practice(model, tokenizer, pool, args, 0, 1, "rl")
+    before, _ = measure(model, tokenizer, pool, "sft")
+    after, _ = measure(model, tokenizer, pool, "rl")
     assert 0 < np.mean(list(before.values())) < 1  # the stand-in reward makes the values worth comparing
     stats = practice_stats({"sft": before, "rl": after})
     assert stats["gain"] == 0.0 and stats["bootstrap_95"] == (0.0, 0.0)
@@ -49,9 +53,8 @@ def test_a_policy_that_answers_one_question_otherwise_moves_only_that_question(t
     """Sample j of question i draws the same numbers whichever rows decode beside it: forcing one question's first
     token changes its value and leaves every other question's exactly as it was."""
     model, tokenizer = tiny
-    args = quick_args()
     pool = examples[:6]
-    before, _ = train.measure_practice(model, tokenizer, pool, args, 0, 1, "sft")
+    before, _ = measure(model, tokenizer, pool, "sft")
     changed = next(ex["id"] for ex in pool if before[ex["id"]] < 1)
     plain = rollout.rollout
 
@@ -62,7 +65,7 @@ def test_a_policy_that_answers_one_question_otherwise_moves_only_that_question(t
             return EVEN if rows[row] == changed and turn == 0 and not sampled else None
         return plain(model, tokenizer, examples, protocol, force=force, **kw)
     monkeypatch.setattr(rollout, "rollout", one_question_otherwise)
-    after, _ = train.measure_practice(model, tokenizer, pool, args, 0, 1, "rl")
+    after, _ = measure(model, tokenizer, pool, "rl")
     assert after[changed] == 1.0 != before[changed]
     assert {q: v for q, v in after.items() if q != changed} == {q: v for q, v in before.items() if q != changed}
 
@@ -75,19 +78,19 @@ def practised(tmp_path_factory):
     draws = []
     weights = {}
     uniforms = engine.uniforms
-    measure = train.measure_practice
+    measure_practice = practice.measure_practice
 
     def recording_uniforms(seed, keys, positions, device="cpu"):
         draws.append((seed, [int(k) for k in keys]))
         return uniforms(seed, keys, positions, device)
 
-    def recording_measure(policy, tokenizer, pool, args, rank, world, tag):
+    def recording_measure(policy, tokenizer, pool, *args, tag, **kw):
         weights[tag] = policy.lm_head.weight.detach().clone()
-        return measure(policy, tokenizer, pool, args, rank, world, tag)
+        return measure_practice(policy, tokenizer, pool, *args, tag=tag, **kw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(REWARDS, "parity", first_token_even)
         mp.setattr(engine, "uniforms", recording_uniforms)
-        mp.setattr(train, "measure_practice", recording_measure)
+        mp.setattr(practice, "measure_practice", recording_measure)
         state = train.main(["--model", "tiny", "--quick", "--reward", "parity", "--practice-k", "2", "--filter-k", "2",
                             "--group-size", "2", "--filter-limit", "16", "--filter-pass-rate", "1.0",
                             "--filter-solved-once", "--rl-epochs", "2", "--rl-lr", "1e-3", "--temperature", "1.0",
@@ -131,14 +134,14 @@ def test_the_after_side_decodes_with_the_rl_weights(practised):
 
 def test_the_measurements_draws_share_no_key_with_the_filters_or_rls(practised):
     state, draws, _, records, _ = practised
-    practice = set()
+    measured_draws = set()
     other = set()
     for seed, keys in draws:
         live = [k for k in keys if k != -1]  # -1: an idle row's draw, never used
-        on_practice = [k >= train.PRACTICE_KEYS for k in live]
+        on_practice = [k >= practice.PRACTICE_KEYS for k in live]
         assert all(on_practice) or not any(on_practice)
-        (practice if all(on_practice) and live else other).update((seed, k) for k in live)
-    assert practice and other and not practice & other
+        (measured_draws if all(on_practice) and live else other).update((seed, k) for k in live)
+    assert measured_draws and other and not measured_draws & other
     measured = [r for r in records if r["stage"] == "practice"]
     assert len(measured) == 2 * 2 * len(state["rl_pool"])  # k samples of every question, after SFT and after RL
-    assert len(practice) == 2 * len(state["rl_pool"])  # the same keys both times
+    assert len(measured_draws) == 2 * len(state["rl_pool"])  # the same keys both times

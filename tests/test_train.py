@@ -17,7 +17,9 @@ import cli
 import config
 import grpo
 import memory
+import practice
 import train
+from rollout import RolloutConfig
 from data.spider.prepare import spider_sample
 from sft import load_sft_data
 from grpo import GRPOConfig, grpo_step
@@ -109,11 +111,12 @@ def test_training_must_fit_the_free_memory_and_the_kv_cache_takes_what_is_left(t
     assert not (tmp_path / "quick").exists()  # stopped before the teacher data: nothing ran
 
     seen = {}
+    decode_rows = train.decode_rows
 
-    def stop(args, *a, **k):
-        seen["rows"] = args.eval_batch_size
+    def stop(*a, **k):  # the rows chosen, then stop before any work
+        seen["rows"] = decode_rows(*a, **k)
         raise Killed
-    monkeypatch.setattr(train, "run", stop)
+    monkeypatch.setattr(train, "decode_rows", stop)
     free["bytes"] = max(need, held + 3.5 * per_row)
     with pytest.raises(Killed):
         train.main(argv)
@@ -241,10 +244,12 @@ def test_rl_from_a_checkpoint_goes_on_in_the_prompt_it_was_trained_in(tmp_path, 
     flags = config.get_args(["--stage", "rl", "--model", str(ckpt), "--max-new-tokens", "50", "--brief-prompt", "0"])
     assert (flags.max_new_tokens, flags.brief_prompt, flags.obs_rows) == (50, 0, 3)  # a flag still wins
     train.main(["--stage", "rl", "--model", str(ckpt), "--rl-steps", "1", "--rl-batch-size", "1", "--group-size", "2",
-                "--ppo-mini-batches", "1", "--filter-k", "0", "--eval-limit", "1", "--ckpt-every", "0", "--out-dir", str(tmp_path),
-                "--run-name", "rl"])
-    saved = json.loads((latest_checkpoint(tmp_path / "rl") / "state.json").read_text())["args"]
-    assert saved["protocol"] == "trust-brief-rows3"
+                "--ppo-mini-batches", "1", "--filter-k", "0", "--eval-limit", "1", "--ckpt-every", "0",
+                "--out-dir", str(tmp_path), "--run-name", "rl"])
+    rl_ckpt = latest_checkpoint(tmp_path / "rl")
+    saved = json.loads((rl_ckpt / "state.json").read_text())["args"]
+    assert (saved["protocol"], saved["brief_prompt"], saved["obs_rows"]) == ("trust", 1, 3)  # the flags, as typed
+    assert train.trained_settings(rl_ckpt) == train.trained_settings(ckpt)  # and the next stage reads them back
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "state.json").write_text('{"step": 3}')  # another tool's file of the same name
     assert train.trained_settings(tmp_path / "other") == {}
@@ -278,7 +283,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     # one): the resume does not evaluate SFT again, and its log holds each evaluation and the filter once
     def killed(*a, **k):
         raise Killed
-    monkeypatch.setattr(train, "difficulty_filter", killed)
+    monkeypatch.setattr(practice, "difficulty_filter", killed)
     with pytest.raises(Killed):
         train.main(args + ["--out-dir", str(tmp_path / "c")])
     monkeypatch.undo()
@@ -350,7 +355,7 @@ def test_rl_from_a_checkpoint_in_its_own_run_folder_never_deletes_it(tmp_path, m
     # loaded, its KV cache fits): stopped just before training starts
     def stop(*a, **k):
         raise Killed
-    monkeypatch.setattr(train, "run", stop)
+    monkeypatch.setattr(train, "Logger", stop)  # built right after the checks and the deletion
     with pytest.raises(Killed):
         train.main(["--quick", "--model", "tiny", "--out-dir", str(tmp_path), "--run-name", "demo", "--overwrite"])
     assert not ckpt.exists()
@@ -402,9 +407,9 @@ def torchrun(world, script, *argv, cwd=None):
 DDP_SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import train
-from distributed import over_ranks
+from distributed import over_ranks, sum_grads_over_ranks
 from model import load_model
+from sft import agent_tokens, pad_batch, sft_loss
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 model, tok = load_model("tiny", seed=0)
@@ -414,17 +419,16 @@ rows = []
 for n in (30, 50, 20, 40):  # 4 sequences of different lengths and agent-token counts
     ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
     rows.append((ids, [int(i > n // 3) for i in range(n)]))
-if rank == 0:  # one process over the whole batch: a copy of the same weights, no DDP
+if rank == 0:  # one process over the whole batch: a copy of the same weights
     alone = load_model("tiny", seed=0)[0].train()
-    ids, mask = train.pad_batch(rows, tok.pad_token_id, "cpu")
-    train.AgentTokenLoss(alone)(ids, mask, train.agent_tokens(rows), 1).backward()
+    ids, mask = pad_batch(rows, tok.pad_token_id, "cpu")
+    sft_loss(alone, ids, mask, agent_tokens(rows)).backward()
     torch.save({n: p.grad for n, p in alone.named_parameters()}, sys.argv[2] + "/grad1.pt")
 mine = rows[rank::world]
-tokens = over_ranks(torch.tensor(train.agent_tokens(mine))).item()
-loss_fn = train.AgentTokenLoss(model)
-wrapped = torch.nn.parallel.DistributedDataParallel(loss_fn)
-ids, mask = train.pad_batch(mine, tok.pad_token_id, "cpu")
-wrapped(ids, mask, tokens, world).backward()
+tokens = over_ranks(torch.tensor(agent_tokens(mine))).item()
+ids, mask = pad_batch(mine, tok.pad_token_id, "cpu")
+sft_loss(model, ids, mask, tokens).backward()
+sum_grads_over_ranks(model)  # what sft_step does after the backward
 if rank == 0:
     torch.save({n: p.grad for n, p in model.named_parameters()}, sys.argv[2] + "/grad2.pt")
 dist.barrier()
@@ -433,7 +437,7 @@ os._exit(0)  # gloo's worker threads can abort interpreter teardown (SIGABRT, ~1
 """
 
 
-def test_ddp_gradients_match_single_process(tmp_path):
+def test_two_ranks_sft_gradients_match_single_process(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     torchrun(2, script, ROOT, tmp_path, cwd=tmp_path)  # rank 0 also takes the whole batch's gradients alone
@@ -460,14 +464,13 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, quick_run):
 def test_sql_trail_difficulty_score_keeps_hard_but_solvable_then_unsolved():
     examples = [{"id": c} for c in "abcdef"]
     rates = {"a": 1.0, "b": 1 / 6, "c": 0.0, "d": 0.5, "e": 0.0, "f": 5 / 6}
-    args = SimpleNamespace(filter_top_n=2, filter_unsolved_n=1, filter_pass_rate=0.75, filter_solved_once=False)
+    rule = practice.PoolRule(pass_rate=0.75, top_n=2, unsolved_n=1)
     # S(q) (eq. 13): a 1, b 1/6, c 1, d 1/2, e 1, f 5/6 -> the 2 lowest are b and d; exploration: the first unsolved
-    assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "c", "d"]
-    args.filter_top_n = 0  # TRUST App. A.3: pass rate < 6/8
-    assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "c", "d", "e"]
-    args.filter_pass_rate = 1.0  # the demo's practice set: solved sometimes, not always
-    args.filter_solved_once = True
-    assert [ex["id"] for ex in train.select_rl_pool(examples, rates, args)] == ["b", "d", "f"]
+    assert [ex["id"] for ex in practice.select_rl_pool(examples, rates, rule)] == ["b", "c", "d"]
+    rule = practice.PoolRule(pass_rate=0.75)  # TRUST App. A.3: pass rate < 6/8
+    assert [ex["id"] for ex in practice.select_rl_pool(examples, rates, rule)] == ["b", "c", "d", "e"]
+    rule = practice.PoolRule(pass_rate=1.0, solved_once=True)  # the demo's practice set: solved sometimes, not always
+    assert [ex["id"] for ex in practice.select_rl_pool(examples, rates, rule)] == ["b", "d", "f"]
 
 
 def _fake_rollouts(monkeypatch, signal):
@@ -486,9 +489,12 @@ def _fake_rollouts(monkeypatch, signal):
 
 
 def rollout_with_signal(prompts, reward, cfg=None, **kw):
-    """train.rollout_with_signal on fake rollouts of group size 2."""
+    """practice.rollout_with_signal on fake rollouts of group size 2: trajectories, rewards, stats."""
     cfg = cfg or GRPOConfig(group_size=2)
-    return train.rollout_with_signal(None, None, prompts, "trust", reward, cfg, seed=0, group_size=2, **kw)
+    trajs, rewards, tracks, ds = practice.rollout_with_signal(None, None, prompts, RolloutConfig(), reward, cfg, seed=0,
+                                                              max_rows=None, **kw)
+    assert torch.equal(tracks.adv_full, grpo.advantages(trajs, rewards, cfg).adv_full)  # the batch's own advantages
+    return trajs, rewards, ds
 
 
 def test_dynamic_sampling_rolls_fresh_prompts_until_every_group_has_signal(monkeypatch):
@@ -537,42 +543,44 @@ def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
 
     def solved(t, ex):
         return float(ex["id"] in (1, 4) and t.k == 0 or ex["id"] == 2)
-    monkeypatch.setitem(train.REWARDS, "fake", lambda t, ex: {"full": solved(t, ex), "correct": solved(t, ex)})
-    args = config.get_args(["--model", "tiny", "--reward", "fake", "--filter-k", "2", "--group-size", "2",
-                           "--filter-top-n", "3", "--rl-batch-size", "2", "--seed", "1"])
-    pool, (trajs, rewards) = train.difficulty_filter(None, None, [{"id": i} for i in range(6)], args, 0, 1)
+    def reward(t, ex):
+        return {"full": solved(t, ex), "correct": solved(t, ex)}
+
+    def keep_top_3(reuse):  # 2 rollouts each, RL's batch 2, seed 1
+        return practice.difficulty_filter(None, None, [{"id": i} for i in range(6)], RolloutConfig(), reward,
+                                          practice.PoolRule(top_n=3), 2, batch_size=8, rl_batch_size=2, seed=1,
+                                          reuse=reuse, rank=0, world=1)
+    pool, _, (trajs, rewards) = keep_top_3(reuse=True)
     assert calls == [list(range(6))]  # one rollout of every candidate, none again for RL
     assert sorted(ex["id"] for ex in pool) == [0, 1, 4]  # S(q) ranks 1, 4, then the first tie
     assert [t.example["id"] for t in trajs] == [1, 1, 4, 4] and [r["full"] for r in rewards] == [1, 0, 1, 0]
-    assert [pool[i]["id"] for i in train.rl_batch(len(pool), args, 0)] == [1, 4]  # RL's own first step reads them
-    args.group_size = 4  # groups of another size are not the batch RL would sample
-    assert train.difficulty_filter(None, None, [{"id": i} for i in range(6)], args, 0, 1)[1] is None
+    assert [pool[i]["id"] for i in practice.rl_batch(len(pool), 2, 1, 0)] == [1, 4]  # RL's own first step reads them
+    assert keep_top_3(reuse=False)[2] is None  # e.g. RL's groups of another size: not the batch RL would sample
 
 
 def test_on_two_ranks_each_ranks_filter_groups_are_its_share_of_rls_first_step(monkeypatch):
     # rank r rolled out candidates r, r + 2, ...; each keeps its own groups, and RL's first step hands them back to it
     rates = {i: [0.5, 0.0, 0.75, 0.25, 0.5, 1.0, 0.25, 0.5][i] for i in range(8)}
 
-    def fake_pass_rates(model, tokenizer, mine, reward_fn, rank, world, k, **kw):
+    def fake_pass_rates(model, tokenizer, mine, cfg, reward_fn, k, **kw):
         trajs = [SimpleNamespace(example=ex) for ex in mine for _ in range(k)]
         return rates, trajs, [{"full": 0.0}] * len(trajs)
-    monkeypatch.setattr(train, "pass_rates", fake_pass_rates)
-    args = config.get_args(["--model", "tiny", "--filter-k", "2", "--group-size", "2", "--filter-top-n", "6",
-                           "--rl-batch-size", "4"])
-    out = [train.difficulty_filter(None, None, [{"id": i} for i in range(8)], args, rank, 2) for rank in (0, 1)]
+    monkeypatch.setattr(practice, "pass_rates", fake_pass_rates)
+    out = [practice.difficulty_filter(None, None, [{"id": i} for i in range(8)], RolloutConfig(), None,
+                                      practice.PoolRule(top_n=6), 2, batch_size=8, rl_batch_size=4, seed=0,
+                                      reuse=True, rank=rank, world=2) for rank in (0, 1)]
     assert [ex["id"] for ex in out[0][0]] == [ex["id"] for ex in out[1][0]]  # one pool order on every rank
     pool = out[0][0]
-    first_step = [pool[i]["id"] for i in train.rl_batch(len(pool), args, 0)]
-    for rank, (_, (trajs, _)) in enumerate(out):
+    first_step = [pool[i]["id"] for i in practice.rl_batch(len(pool), 4, 0, 0)]
+    for rank, (_, _, (trajs, _)) in enumerate(out):
         assert [t.example["id"] for t in trajs[::2]] == first_step[rank::2]
     assert sorted(first_step) == [0, 3, 6, 7]  # each rank's two lowest S(q): 6, then 0 before 4 (a tie); 3, 7
 
 
 def test_rls_first_epoch_after_the_filters_batch_visits_every_kept_question_once():
     # the filter's batch (3 of 12 questions) opens RL's data order; steps 2-4 then read the other nine, none twice
-    args = config.get_args(["--model", "tiny", "--rl-batch-size", "3", "--seed", "5"])
-    pool = train.rl_order([{"id": f"q{i}"} for i in range(12)], ["q7", "q2", "q9"], args)
-    steps = [[pool[i]["id"] for i in train.rl_batch(len(pool), args, step)] for step in range(4)]
+    pool = practice.rl_order([{"id": f"q{i}"} for i in range(12)], ["q7", "q2", "q9"], rl_batch_size=3, seed=5)
+    steps = [[pool[i]["id"] for i in practice.rl_batch(len(pool), 3, 5, step)] for step in range(4)]
     assert steps[0] == ["q7", "q2", "q9"]
     assert sorted(q for batch in steps for q in batch) == sorted(f"q{i}" for i in range(12))
 
@@ -612,7 +620,7 @@ def test_each_recipe_takes_its_papers_optimizer_steps_and_the_clip_acts_where_th
                                                                                                 one_thread):
     model = copy.deepcopy(tiny[0])
     args = config.get_args(["--recipe", recipe, "--model", "tiny", "--rl-batch-size", "8"])
-    cfg = train.grpo_config(args, pad_id=2)
+    cfg = config.grpo_config(args, pad_id=2)
     trajs, rewards = _recipe_batch(cfg.group_size, 8)
     m = grpo_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), trajs, rewards, cfg)
     assert cfg.mini_batches == m["optimizer_steps"] == steps
@@ -627,11 +635,11 @@ def test_grpo_flags_reach_the_update():
     args = config.get_args(["--model", "tiny", "--rl-batch-size", "4", "--ppo-mini-batches", "2", "--kl-beta",
                            "0.01", "--agg", "dr_grpo", "--scale-std", "0", "--mask-truncated", "1",
                            "--naive-schema-weight", "0.25"])
-    cfg = train.grpo_config(args, pad_id=2)
+    cfg = config.grpo_config(args, pad_id=2)
     assert (cfg.mini_batches, cfg.kl_beta, cfg.agg, cfg.scale_std, cfg.mask_truncated, cfg.naive_schema_weight,
             cfg.dr_grpo_len) == (2, 0.01, "dr_grpo", False, True, 0.25, args.max_total_tokens)
     # old log-probs: a bf16 sampler copy needs them recomputed; fp32 weights that sampled have logged them
-    bf16, fp32 = (train.grpo_config(config.get_args(["--model", "tiny", "--dtype", d]), 2) for d in ("bf16", "fp32"))
+    bf16, fp32 = (config.grpo_config(config.get_args(["--model", "tiny", "--dtype", d]), 2) for d in ("bf16", "fp32"))
     assert bf16.recompute_old_logp and not fp32.recompute_old_logp
 
 
