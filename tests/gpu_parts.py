@@ -475,7 +475,7 @@ def part_capture_fallback(args):
 def part_fsdp(args):
     """train.py's FSDP2 path on a one-rank group: the full decode copy made before sharding, distributed.distribute
     (activation checkpointing on CUDA, distributed.shard), a rollout from the copy, a grpo_step on the sharded model
-    under bf16 autocast (train.rl_update), the copy refreshed (train.refresh_sampler), and a second rollout."""
+    under bf16 autocast (train.rl_update), the copy refreshed (model.refresh_sampler), and a second rollout."""
     import copy
     import functools
     from contextlib import nullcontext
@@ -485,7 +485,7 @@ def part_fsdp(args):
     import train
     from distributed import distribute, is_fsdp
     from grpo import GRPOConfig
-    from model import TORCH_DTYPES, resolve_dtype
+    from model import TORCH_DTYPES, refresh_sampler, resolve_dtype
     device = args.device
     one_rank_group(device)
     try:
@@ -520,7 +520,7 @@ def part_fsdp(args):
         print(f"grpo_step: loss {out['loss']:.4f}, {out['tokens']} tokens, grad norm {out['grad_norm']:.3g}, "
               f"{out['optimizer_steps']} optimizer step")
         before = [s.detach().clone() for s in sampler.parameters()]
-        train.refresh_sampler(sampler, model)  # what train.main calls before every rollout
+        refresh_sampler(sampler, model)  # what train.main calls before every rollout
         moved = max((s - b).abs().max().item() for s, b in zip(sampler.parameters(), before))
         off = max((s.float() - p.full_tensor().to(s.dtype).float()).abs().max().item()
                   for s, p in zip(sampler.parameters(), model.parameters()))

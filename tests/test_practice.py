@@ -12,7 +12,8 @@ import rollout
 import config
 import practice
 import train
-from model import latest_checkpoint, load_model
+from checkpoint import latest_checkpoint
+from model import load_model
 from report import practice_stats
 from rewards import REWARDS
 

@@ -13,7 +13,8 @@ import rollout
 import config
 import train
 from grpo import GRPOConfig, build_batch, grpo_step, token_logprobs
-from model import load_model, resolve_dtype, save_checkpoint
+from checkpoint import save_checkpoint
+from model import load_model, resolve_dtype
 from rewards import REWARDS
 
 

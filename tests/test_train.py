@@ -23,7 +23,8 @@ from rollout import RolloutConfig
 from data.spider.prepare import spider_sample
 from sft import load_sft_data
 from grpo import GRPOConfig, grpo_step
-from model import latest_checkpoint, load_model, load_trainer_state, load_weights, save_checkpoint
+from checkpoint import latest_checkpoint, load_trainer_state, load_weights, save_checkpoint
+from model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
