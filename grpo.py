@@ -46,12 +46,6 @@ def schema_track_mask(loss_mask, turn_ids, propose_turn):
     propose_turn = torch.as_tensor(propose_turn, device=turn_ids.device).reshape(-1, 1)  # (B, 1)
     return loss_mask * ((turn_ids <= propose_turn) & (propose_turn >= 0)).to(loss_mask.dtype)
 
-
-def trajectory_ok(traj) -> bool:
-    """MTIR-style quality rule: every turn well-formed, a final answer, not truncated."""
-    ep = traj.episode
-    return all(ep.turn_valid) and ep.final_sql is not None and traj.stop_reason not in TRUNCATED
-
 # -----------------------------------------------------------------------------
 # the clipped surrogate
 
@@ -97,12 +91,6 @@ def policy_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, agg="toke
             "ratio_max": ratios.max().item() if ratios.numel() else float("-inf"),
         }
     return loss, stats
-
-
-def k3_kl(logp, ref_logp):
-    """Per-token k3 estimator of KL(π || π_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
 
 # -----------------------------------------------------------------------------
 # batch building and log-probs
@@ -208,12 +196,6 @@ def advantages(trajs, rewards, cfg: GRPOConfig) -> Tracks:
     return Tracks(r_full, r_schema, adv_full, adv_schema, keep, dual)
 
 
-def group_signal(tracks: Tracks, group_size):
-    """(groups,) bool: does a group move the policy at all, some kept row with a nonzero advantage on a track the
-    loss uses? DAPO's refill (practice.rollout_with_signal) asks this of fresh groups; grpo_step drops the rest."""
-    return ((tracks.adv_full != 0) | (tracks.adv_schema != 0)).reshape(-1, group_size).any(1)
-
-
 def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None, tracks=None):
     """One GRPO update on group-major trajectories (group g = rows g·G .. g·G+G-1) and their reward dicts
     (REWARDS output: "full" and "schema"); tracks: their advantages where the caller has computed them already
@@ -267,20 +249,6 @@ def grpo_step(model, optimizer, trajs, rewards, cfg: GRPOConfig, ref_model=None,
             totals["optimizer_steps"] += 1
     model.train(was_training)
     return step_metrics(tracks, rows, counts, minis, totals, cfg)
-
-
-def loss_rows(trajs, tracks, cfg):
-    """(N,) bool each: the rows the loss uses (kept by the trajectory filter, in a group with signal under dynamic
-    sampling), the groups dynamic sampling drops (groups,), the kept rows whose truncation masks them out."""
-    G = cfg.group_size
-    rows = tracks.keep.clone()
-    flat_groups = torch.zeros(len(trajs) // G, dtype=torch.bool)
-    if cfg.dynamic_sampling:  # DAPO: a group with no signal on any track only dilutes the token mean
-        flat_groups = ~group_signal(tracks, G)
-        rows &= ~flat_groups.repeat_interleave(G)
-    truncated = torch.tensor([t.stop_reason in TRUNCATED for t in trajs], dtype=torch.bool)
-    truncated &= rows if cfg.mask_truncated else torch.zeros_like(rows)
-    return rows, flat_groups, truncated
 
 
 def micro_batch_loss(model, mb, j, epoch, dual, cfg, totals):
@@ -350,6 +318,42 @@ def step_metrics(tracks, rows, counts, minis, totals, cfg):
     }
     metrics["loss"] = metrics["loss_full"] + cfg.schema_lambda * metrics["loss_schema"]
     return metrics
+
+# -----------------------------------------------------------------------------
+# the variants: which rows the loss uses (MTIR's trajectory filter, DAPO's dynamic sampling, truncation
+# masking) and the KL term; the aggregation modes are policy_loss's agg
+
+
+def trajectory_ok(traj) -> bool:
+    """MTIR-style quality rule: every turn well-formed, a final answer, not truncated."""
+    ep = traj.episode
+    return all(ep.turn_valid) and ep.final_sql is not None and traj.stop_reason not in TRUNCATED
+
+
+def group_signal(tracks: Tracks, group_size):
+    """(groups,) bool: does a group move the policy at all, some kept row with a nonzero advantage on a track the
+    loss uses? DAPO's refill (practice.rollout_with_signal) asks this of fresh groups; grpo_step drops the rest."""
+    return ((tracks.adv_full != 0) | (tracks.adv_schema != 0)).reshape(-1, group_size).any(1)
+
+
+def loss_rows(trajs, tracks, cfg):
+    """(N,) bool each: the rows the loss uses (kept by the trajectory filter, in a group with signal under dynamic
+    sampling), the groups dynamic sampling drops (groups,), the kept rows whose truncation masks them out."""
+    G = cfg.group_size
+    rows = tracks.keep.clone()
+    flat_groups = torch.zeros(len(trajs) // G, dtype=torch.bool)
+    if cfg.dynamic_sampling:  # DAPO: a group with no signal on any track only dilutes the token mean
+        flat_groups = ~group_signal(tracks, G)
+        rows &= ~flat_groups.repeat_interleave(G)
+    truncated = torch.tensor([t.stop_reason in TRUNCATED for t in trajs], dtype=torch.bool)
+    truncated &= rows if cfg.mask_truncated else torch.zeros_like(rows)
+    return rows, flat_groups, truncated
+
+
+def k3_kl(logp, ref_logp):
+    """Per-token k3 estimator of KL(π || π_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
 
 # -----------------------------------------------------------------------------
 # mini-batches: the rows of one optimizer step, their micro-batches and normalisers

@@ -183,6 +183,28 @@ def check_training_memory(model, args, bf16, device):
 # glibc's heap: freed memory goes back to the OS
 
 
+def decode_rows(model, args, device, master):
+    """The rows rollouts decode at once: --eval-batch-size, or as many as the KV cache's memory holds beside what
+    stays while decoding (the weights, AdamW's moments, the decode copy); said on one line. On a CPU, training's
+    peak must fit too, or the run stops here."""
+    bf16 = args.dtype == "bf16"
+    kv_dtype = torch.bfloat16 if bf16 else torch.float32
+    budget = None
+    reserve = CACHE_HEADROOM
+    if torch.device(device).type == "cpu":
+        check_training_memory(model, args, bf16, device)
+        budget = args.kv_cache_gb * 2 ** 30
+        reserve = decoding_bytes(model, bf16)
+    try:
+        rows = cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
+    except ValueError as e:
+        raise cli.UserError(e) from None
+    if master and rows == args.eval_batch_size:  # else cache_rows has said it
+        kv = kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
+        print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
+    return rows
+
+
 def return_memory_on_free():
     """glibc (elsewhere a no-op): blocks of 1 MiB and up get pages of their own, unmapped when freed. glibc's default
     threshold adapts upwards to the largest block ever freed, so the heap would keep what training once held and the

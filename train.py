@@ -130,7 +130,7 @@ def main(argv=None):
         model, tokenizer = load_model(model_path, device=device, seed=args.seed)
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise cli.UserError(e) from None
-    args.eval_batch_size = decode_rows(model, args, device, master)
+    args.eval_batch_size = memory.decode_rows(model, args, device, master)
     if master:  # the layers, then the command line, then the memory: what this run uses
         print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
                             subsequent_indent="  "))
@@ -351,7 +351,7 @@ def main(argv=None):
             dist.destroy_process_group()
 
 # -----------------------------------------------------------------------------
-# setup: data and memory
+# setup: the run's questions
 
 
 def load_data(args, master):
@@ -375,28 +375,6 @@ def load_data(args, master):
     if master and args.spider_limit and not spider:
         print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
     return train, {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
-
-
-def decode_rows(model, args, device, master):
-    """The rows rollouts decode at once: --eval-batch-size, or as many as the KV cache's memory holds beside what
-    stays while decoding (the weights, AdamW's moments, the decode copy); said on one line. On a CPU, training's
-    peak must fit too, or the run stops here."""
-    kv_dtype = TORCH_DTYPES[args.dtype]
-    bf16 = args.dtype == "bf16"
-    budget = None
-    reserve = memory.CACHE_HEADROOM
-    if torch.device(device).type == "cpu":
-        memory.check_training_memory(model, args, bf16, device)
-        budget = args.kv_cache_gb * 2 ** 30
-        reserve = memory.decoding_bytes(model, bf16)
-    try:
-        rows = memory.cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
-    except ValueError as e:
-        raise cli.UserError(e) from None
-    if master and rows == args.eval_batch_size:  # else memory.cache_rows has said it
-        kv = memory.kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
-        print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
-    return rows
 
 
 if __name__ == "__main__":

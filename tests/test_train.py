@@ -112,12 +112,12 @@ def test_training_must_fit_the_free_memory_and_the_kv_cache_takes_what_is_left(t
     assert not (tmp_path / "quick").exists()  # stopped before the teacher data: nothing ran
 
     seen = {}
-    decode_rows = train.decode_rows
+    decode_rows = memory.decode_rows
 
     def stop(*a, **k):  # the rows chosen, then stop before any work
         seen["rows"] = decode_rows(*a, **k)
         raise Killed
-    monkeypatch.setattr(train, "decode_rows", stop)
+    monkeypatch.setattr(memory, "decode_rows", stop)
     free["bytes"] = max(need, held + 3.5 * per_row)
     with pytest.raises(Killed):
         train.main(argv)
