@@ -49,6 +49,16 @@ positive_int = int_at_least(1)  # a count
 nonneg_int = int_at_least(0)    # a count where 0 means off or all
 
 
+def boolean(text):
+    """A switch given a value, as the recipes' tables write it: 1/0, true/false, yes/no, on/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be 1 or 0 (true or false), got {text}")
+
+
 def existing_file(text):
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no file {text}; check the path")

@@ -41,7 +41,7 @@ RECIPES = {
     "trust": dict(protocol="trust", reward="trust", schema_mode="none", schema_lambda=0.25, max_turns=10,
                   group_size=8, sft_lr=1e-5, sft_batch_size=256, sft_epochs=2, rl_lr=1e-6, rl_batch_size=32,
                   rl_epochs=3, ppo_mini_batches=4, filter_k=8, filter_pass_rate=0.75, eps_low=0.2, eps_high=0.28,
-                  traj_filter=0, stage="both"),
+                  traj_filter=False, stage="both"),
     # SQL-Trail: schema in the prompt (App. A.8), no KL, clip-higher against "the policy before the update step"
     # (§3.3.1); A.5: SFT lr 1e-5, batch 128, 2 epochs, betas (0.9, 0.95), warm-up 0.1, cosine; RL lr 1e-6, batch 128,
     # G 6, 10 turns, T 1.0, top-p 0.99, reported at step 108; A.6: 700 questions by S(q) over 6 rollouts + 327
@@ -49,35 +49,36 @@ RECIPES = {
     "trail": dict(protocol="trail", reward="trail", schema_mode="prompt", schema_lambda=0.0, max_turns=10,
                   group_size=6, sft_lr=1e-5, sft_batch_size=128, sft_epochs=2, rl_lr=1e-6, rl_batch_size=128,
                   rl_steps=108, ppo_mini_batches=4, temperature=1.0, top_p=0.99, filter_k=6, filter_top_n=700,
-                  filter_unsolved_n=327, force_final_answer=1, eps_low=0.2, eps_high=0.28, traj_filter=0,
+                  filter_unsolved_n=327, force_final_answer=True, eps_low=0.2, eps_high=0.28, traj_filter=False,
                   stage="both"),
     # MTIR-SQL, Qwen3-4B (§4.1): no SFT, schema in the prompt, RL lr 1e-6, batch 64, G 5, T 0.6, 6 turns; no KL and
     # a trajectory filter (§3.1, eq. 3); no clip-higher, and one optimizer step per batch (GRPO as eq. 2 writes it).
     # Its length is not stated: the parser's 200 steps.
     "mtir": dict(protocol="mtir", reward="mtir", schema_mode="prompt", schema_lambda=0.0, max_turns=6, group_size=5,
-                 rl_lr=1e-6, rl_batch_size=64, temperature=0.6, filter_k=0, eps_low=0.2, eps_high=0.2, traj_filter=1,
+                 rl_lr=1e-6, rl_batch_size=64, temperature=0.6, filter_k=0, eps_low=0.2, eps_high=0.2, traj_filter=True,
                  stage="rl"),
     # SkyRL-SQL, Qwen2.5-Coder-7B-Instruct (§5): no SFT, full schema in the prompt, RL lr 1e-6, batch 256, 35 steps,
     # G 5, T 0.6, top-p 0.95, 5 turns (§5; §4 says 4 for its other runs); the -1 / 0 / 1 reward (§4.1); one
     # optimizer step per batch
     "skyrl": dict(protocol="skyrl", reward="skyrl", schema_mode="prompt", schema_lambda=0.0, max_turns=5,
                   group_size=5, rl_lr=1e-6, rl_batch_size=256, rl_steps=35, temperature=0.6, top_p=0.95, filter_k=0,
-                  eps_low=0.2, eps_high=0.2, traj_filter=0, stage="rl"),
+                  eps_low=0.2, eps_high=0.2, traj_filter=False, stage="rl"),
 }
 # --preset demo (the default without --model): the demo's sizes on top of the recipe, for a 2-core CPU. A short
 # system prompt (the paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and
 # answers. RL practises a fixed set of training questions that SFT solves sometimes but not always (4 rollouts each
 # of 96 candidates), 8 per GRPO step, each twice, and measures them before and after with draws of their own. One
 # sequence per forward + backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
-DEMO = dict(brief_prompt=1, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=1, max_turns=6,
-            max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
+DEMO = dict(brief_prompt=True, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=True,
+            max_turns=6, max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
             sft_lr=1e-4, warmup_ratio=0.05, rl_epochs=2, rl_batch_size=8, ppo_mini_batches=1,
             group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=96, filter_top_n=0,
-            filter_pass_rate=1.0, filter_solved_once=True, filter_unsolved_n=0, practice_k=4, dynamic_sampling=0,
+            filter_pass_rate=1.0, filter_solved_once=True, filter_unsolved_n=0, practice_k=4, dynamic_sampling=False,
             eval_limit=100, spider_limit=0, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
-QUICK = dict(brief_prompt=1, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=0, sft_steps=2,
-             rl_steps=2, sft_batch_size=4, rl_batch_size=2, ppo_mini_batches=1, group_size=2, teacher_limit=16,
+QUICK = dict(brief_prompt=True, obs_rows=3, teacher_probes=0, teacher_distractors=0, teacher_list_tables=False,
+             sft_steps=2, rl_steps=2, sft_batch_size=4, rl_batch_size=2, ppo_mini_batches=1, group_size=2,
+             teacher_limit=16,
              eval_limit=4, eval_every=0, ckpt_every=1, max_turns=5, max_new_tokens=24, max_total_tokens=1024,
              filter_k=0, filter_limit=0, run_name="quick")
 
@@ -114,21 +115,22 @@ def get_parser(add_help=True):
                    help="agent turn format (protocols.py)")
     p.add_argument("--reward", default="trust", choices=sorted(REWARDS), help="reward recipe (rewards.REWARDS)")
     p.add_argument("--schema-mode", default="none", choices=env.SCHEMA_MODES, help="none: unknown schema (the papers)")
-    p.add_argument("--brief-prompt", type=int, default=0,
-                   help="1 = a short system prompt instead of the paper's (CPU demo)")
+    p.add_argument("--brief-prompt", type=cli.boolean, default=False,
+                   help="a short system prompt instead of the paper's (CPU demo); 1 or 0, as every switch below")
     p.add_argument("--obs-rows", type=cli.nonneg_int, default=0,
                    help="observation row cap (0 = the protocol's: trust 30, trail 50...)")
-    p.add_argument("--adaptive-turns", type=int, default=0,
-                   help="1: each RL question's turn budget from its difficulty label (rewards.turn_budget; the turns "
+    p.add_argument("--adaptive-turns", type=cli.boolean, default=False,
+                   help="each RL question's turn budget from its difficulty label (rewards.turn_budget; the turns "
                         "reward uses the same budget)")
-    p.add_argument("--force-final-answer", type=int, default=0,
-                   help="1: out of turns without an answer, one more turn that must answer and is scored (SQL-Trail "
+    p.add_argument("--force-final-answer", type=cli.boolean, default=False,
+                   help="out of turns without an answer, one more turn that must answer and is scored (SQL-Trail "
                         "Alg. 1 line 31)")
     p.add_argument("--teacher-probes", type=cli.nonneg_int, default=2,
                    help="filtered columns whose values the teacher probes")
     p.add_argument("--teacher-distractors", type=cli.nonneg_int, default=1,
                    help="extra tables whose schema the teacher reads")
-    p.add_argument("--teacher-list-tables", type=int, default=1, help="0: the teacher skips listing tables (shorter)")
+    p.add_argument("--teacher-list-tables", type=cli.boolean, default=True,
+                   help="the teacher lists the tables first (0: shorter trajectories)")
     # lengths and sampling
     p.add_argument("--max-turns", type=cli.positive_int, default=10, help="assistant turns per episode")
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=2048, help="per assistant turn")
@@ -160,10 +162,10 @@ def get_parser(add_help=True):
                    help="weight of TRUST's schema track (0 = single track)")
     p.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below 1")
     p.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above 1 (clip-higher)")
-    p.add_argument("--traj-filter", type=int, default=0,
+    p.add_argument("--traj-filter", type=cli.boolean, default=False,
                    help="MTIR trajectory filter: drop truncated / unfinished rollouts")
-    p.add_argument("--dynamic-sampling", type=int, default=0,
-                   help="1: roll fresh prompts until every group has a nonzero advantage (DAPO); groups still flat are"
+    p.add_argument("--dynamic-sampling", type=cli.boolean, default=False,
+                   help="roll fresh prompts until every group has a nonzero advantage (DAPO); groups still flat are"
                         " left out of the update")
     p.add_argument("--dynamic-sampling-rounds", type=cli.nonneg_int, default=3,
                    help="extra rollout rounds per step at most (the cap)")
@@ -177,9 +179,10 @@ def get_parser(add_help=True):
     p.add_argument("--agg", default="token_mean", choices=["token_mean", "seq_mean", "dr_grpo"],
                    help="token losses -> one number: DAPO token mean, GRPO sequence mean, Dr. GRPO sum / (sequences x "
                         "max-total-tokens)")
-    p.add_argument("--scale-std", type=int, default=1, help="0: advantages not divided by the group std (Dr. GRPO)")
-    p.add_argument("--mask-truncated", type=int, default=0,
-                   help="1: trajectories cut by a length limit stay out of the loss")
+    p.add_argument("--scale-std", type=cli.boolean, default=True,
+                   help="advantages divided by the group std (0: Dr. GRPO's, not divided)")
+    p.add_argument("--mask-truncated", type=cli.boolean, default=False,
+                   help="trajectories cut by a length limit stay out of the loss")
     p.add_argument("--naive-schema-weight", type=float, default=0.0,
                    help="TRUST's single-track ablation: full reward += w x schema reward, one track (use with "
                         "--schema-lambda 0)")
@@ -336,8 +339,8 @@ def grpo_config(args, pad_id):
     return GRPOConfig(group_size=args.group_size, schema_lambda=args.schema_lambda, eps_low=args.eps_low,
                       eps_high=args.eps_high, temperature=args.temperature, grad_clip=args.grad_clip,
                       micro_batch_size=args.micro_batch_size or args.rl_batch_size * args.group_size,
-                      trajectory_filter=bool(args.traj_filter), dynamic_sampling=bool(args.dynamic_sampling),
+                      trajectory_filter=args.traj_filter, dynamic_sampling=args.dynamic_sampling,
                       ppo_epochs=args.ppo_epochs, mini_batches=args.ppo_mini_batches, kl_beta=args.kl_beta,
-                      agg=args.agg, dr_grpo_len=args.max_total_tokens, scale_std=bool(args.scale_std),
-                      mask_truncated=bool(args.mask_truncated), naive_schema_weight=args.naive_schema_weight,
+                      agg=args.agg, dr_grpo_len=args.max_total_tokens, scale_std=args.scale_std,
+                      mask_truncated=args.mask_truncated, naive_schema_weight=args.naive_schema_weight,
                       recompute_old_logp=not (args.dtype == "fp32" and args.temperature > 0), pad_id=pad_id)

@@ -200,7 +200,7 @@ def main(argv=None):
                 from data.teacher import write_teacher_data
                 write_teacher_data(train[: args.teacher_limit or None], sft_path, protocol, max_turns=args.max_turns,
                                    schema_mode=args.schema_mode, seed=args.seed, max_probes=args.teacher_probes,
-                                   distractors=args.teacher_distractors, list_tables=bool(args.teacher_list_tables))
+                                   distractors=args.teacher_distractors, list_tables=args.teacher_list_tables)
             barrier()
             rows = load_sft_data(sft_path, tokenizer, args.max_total_tokens, rank)
             if args.sft_epochs:

@@ -58,6 +58,7 @@ CASES = [  # the issue's list first, then one case for each other entry point
     ("train.py", ["--reward", "bogus"], "invalid choice: 'bogus'"),
     ("train.py", ["--schema-mode", "bogus"], "argument --schema-mode: invalid choice"),
     ("train.py", ["--sft-steps", "-1"], "--sft-steps: must be an integer >= 1, got -1"),
+    ("train.py", ["--scale-std", "maybe"], "--scale-std: must be 1 or 0 (true or false), got maybe"),
     ("train.py", ["--sft-batch-size", "-4"], "--sft-batch-size: must be an integer >= 1"),
     ("train.py", ["--rl-batch-size", "-2"], "--rl-batch-size: must be an integer >= 1"),
     ("eval.py", ["--samples", "-3"], "--samples: must be an integer >= 1"),

@@ -632,6 +632,12 @@ def test_each_recipe_takes_its_papers_optimizer_steps_and_the_clip_acts_where_th
     assert (m["ratio_max"] - m["ratio_min"] > 0.2) if steps > 1 else m["ratio_min"] == m["ratio_max"] == 1.0
 
 
+def test_switches_are_booleans_whichever_way_they_are_written():
+    for text, value in [("1", True), ("0", False), ("true", True), ("False", False), ("yes", True), ("off", False)]:
+        assert config.get_args(["--model", "tiny", "--dynamic-sampling", text]).dynamic_sampling is value
+    assert config.get_args(["--model", "tiny"]).scale_std is True and config.get_args([]).brief_prompt is True
+
+
 def test_grpo_flags_reach_the_update():
     args = config.get_args(["--model", "tiny", "--rl-batch-size", "4", "--ppo-mini-batches", "2", "--kl-beta",
                            "0.01", "--agg", "dr_grpo", "--scale-std", "0", "--mask-truncated", "1",
