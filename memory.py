@@ -179,10 +179,6 @@ def check_training_memory(model, args, bf16, device):
                             f"of {micro_batch_rows(args)} x {args.max_total_tokens:,} tokens) and {free / 1e9:.1f} GB "
                             f"is available: {fix}, or lower --max-total-tokens or --micro-batch-size")
 
-# -----------------------------------------------------------------------------
-# glibc's heap: freed memory goes back to the OS
-
-
 def decode_rows(model, args, device, master):
     """The rows rollouts decode at once: --eval-batch-size, or as many as the KV cache's memory holds beside what
     stays while decoding (the weights, AdamW's moments, the decode copy); said on one line. On a CPU, training's
@@ -203,6 +199,9 @@ def decode_rows(model, args, device, master):
         kv = kv_bytes_per_row(model.config, args.max_total_tokens, kv_dtype) * rows
         print(f"rollouts decode {rows} rows at once (KV cache up to {kv / 1e9:.2f} GB)")
     return rows
+
+# -----------------------------------------------------------------------------
+# glibc's heap: freed memory goes back to the OS
 
 
 def return_memory_on_free():
