@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import barrier
+from lora import LoraSettings, save_adapters
 
 # -----------------------------------------------------------------------------
 # a checkpoint: save_pretrained weights + tokenizer, trainer state, per-rank RNG; temp dir then atomic rename
@@ -51,8 +52,10 @@ def optim_state(model, optimizer, fsdp):
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world):
-    """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K."""
+def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, state, args, rank, world, merged=()):
+    """out/<run-name>/ckpt-<global step>: loadable with AutoModelForCausalLM.from_pretrained; keeps the last K. With
+    LoRA adapters it holds them instead of the weights: the model's, the ones merged before it (merged: their states,
+    in order), and lora.json naming --model (model.load_model loads it merged)."""
     final = checkpoint_dir(run_dir, gstep)
     tmp = run_dir / f".tmp-ckpt-{gstep:06d}"
     weights = full_state_dict(model, args.fsdp)  # collective under FSDP: every rank takes part
@@ -60,7 +63,11 @@ def save_checkpoint(run_dir, gstep, model, tokenizer, optimizer, scheduler, stat
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, state_dict=weights)
+        if args.lora_r:
+            settings = LoraSettings(args.lora_r, args.lora_alpha, args.lora_targets)
+            save_adapters(tmp, model, merged, settings, args.model, args.seed)
+        else:
+            model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         torch.save({"optimizer": opt, "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
         write_state(tmp, state, gstep, args)
@@ -150,11 +157,11 @@ def start_state(run_dir, resume, stage):
     return ckpt, state
 
 
-def save_if_due(run_dir, state, log, model, tokenizer, opt, sched, args, rank, world, final):
+def save_if_due(run_dir, state, log, model, tokenizer, opt, sched, args, rank, world, final, merged=()):
     """A checkpoint every --ckpt-every global steps and at a stage's end; --stop-after exits right after one."""
     if (args.ckpt_every and state["gstep"] % args.ckpt_every == 0) or final:
         state.update(log.counts())
-        save_checkpoint(run_dir, state["gstep"], model, tokenizer, opt, sched, state, args, rank, world)
+        save_checkpoint(run_dir, state["gstep"], model, tokenizer, opt, sched, state, args, rank, world, merged)
     if args.stop_after and state["gstep"] == args.stop_after:
         if rank == 0:
             print(f"--stop-after {args.stop_after}: stopping like a killed run")

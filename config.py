@@ -22,6 +22,7 @@ import cli
 import env
 from eval import trained_settings
 from grpo import GRPOConfig
+from lora import LoraSettings
 from model import AUTO_DTYPE, DTYPE_CHOICES
 from rewards import REWARDS
 from rollout import RolloutConfig
@@ -211,6 +212,13 @@ def get_parser(add_help=True):
     p.add_argument("--micro-batch-size", type=cli.nonneg_int, default=4,
                    help="sequences per forward + backward, SFT and GRPO (0 = the whole local batch: the recipes' SFT "
                         "batches of 128-256 would not fit)")
+    p.add_argument("--lora-r", type=cli.nonneg_int, default=0,
+                   help="LoRA: train rank-R adapters, not the weights (lora.py; SFT's is merged when SFT ends, RL "
+                        "trains a new one); 0 = full fine-tuning")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA: the adapters' scale is alpha / r")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="LoRA: the layers that get adapters, peft's target_modules (a comma list of names, or every "
+                        "linear layer of the decoder)")
     # eval, checkpoints, logging
     p.add_argument("--eval-every", type=cli.nonneg_int, default=0,
                    help="RL steps between dev evals (0 = only after each stage)")
@@ -235,7 +243,8 @@ def get_parser(add_help=True):
     p.add_argument("--seed", type=int, default=0, help="data order, rollouts and the tiny model's init")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu or cuda (torchrun: per rank)")
-    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 fully_shard instead of whole replicas")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 fully_shard instead of whole replicas")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer for SFT and GRPO (GPU: 2.5x faster)")
     p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
@@ -332,6 +341,11 @@ def rollout_config(args, protocol):
     return RolloutConfig(protocol=protocol, schema_mode=args.schema_mode, max_turns=args.max_turns,
                          max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
                          temperature=args.temperature, top_p=args.top_p)
+
+
+def lora_settings(args):
+    """LoRA's settings, or None for full fine-tuning."""
+    return LoraSettings(args.lora_r, args.lora_alpha, args.lora_targets) if args.lora_r else None
 
 
 def grpo_config(args, pad_id):

@@ -59,7 +59,8 @@ def distribute(model, fsdp, world, device, bf16=False, compile=False):
     (sum_grads_over_ranks). Gradient checkpointing on GPU; compile: per layer."""
     cuda = str(device).startswith("cuda")
     if cuda:
-        model.activation_checkpointing_enable()  # transformers 5 renamed gradient_checkpointing_enable
+        # non-reentrant: LoRA's adapters get their gradient though the frozen embeddings' output needs none
+        model.activation_checkpointing_enable({"use_reentrant": False})  # transformers 5: gradient_checkpointing_...
         model.config.use_cache = False
     if compile:  # after checkpointing (its wrapper calls the compiled layer), before sharding: torchtitan's order
         compile_layers(model)

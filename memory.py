@@ -142,24 +142,42 @@ def cache_rows(model, rows, device, dtype, limit, budget=None, reserve=CACHE_HEA
 # training on a CPU: it fits before any work starts
 
 
+def trained_params(model, args):
+    """The parameters training updates: all of them, or under --lora-r the adapters' r x (in + out) on each adapted
+    linear layer of the decoder (every one, or those --lora-targets names)."""
+    if not args.lora_r:
+        return sum(p.numel() for p in model.parameters())
+    names = None if args.lora_targets == "all-linear" else set(args.lora_targets.split(","))
+    return sum(args.lora_r * (m.in_features + m.out_features) for name, m in model.get_decoder().named_modules()
+               if isinstance(m, torch.nn.Linear) and (names is None or name.rsplit(".", 1)[-1] in names))
+
+
+def copy_bytes(args, bf16):
+    """Bytes a parameter of the decode copy: bf16 under bf16; under LoRA an fp32 one too, since the adapted model is
+    not a plain one to decode; none where the fp32 model decodes itself."""
+    return 2 if bf16 else 4 if args.lora_r else 0
+
+
 def training_bytes(model, args, bf16):
-    """About what training adds to a CPU process that has just loaded the model: the fp32 weights (paged in as they
-    are used), their gradients and AdamW's two moments (16 bytes a parameter; under bf16 4 more, for the decode copy
-    and autocast's copies), and for each sequence of a micro-batch what backward keeps: per token 75 bytes a layer and
-    hidden unit in fp32, 110 in bf16 with what glibc's heaps hold on to, and per trained token 20 bytes a vocabulary
-    entry for the logits (measured: docs/training.md#memory)."""
+    """About what training adds to a CPU process that has just loaded the model: the fp32 weights (paged in as
+    they are used), the decode copy (copy_bytes) and under bf16 autocast's copies, the trained parameters'
+    gradients and AdamW's two moments (12 bytes each), and for each sequence of a micro-batch what backward keeps:
+    per token 75 bytes a layer and hidden unit in fp32, 110 in bf16 with what glibc's heaps hold on to, and per
+    trained token 20 bytes a vocabulary entry for the logits (measured: docs/training.md#memory)."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     tokens = args.max_total_tokens
     trained = min(tokens, args.max_turns * args.max_new_tokens)  # the agent's own tokens, at most
     per_row = tokens * cfg.num_hidden_layers * cfg.hidden_size * (110 if bf16 else 75) + trained * 20 * cfg.vocab_size
-    return params * (20 if bf16 else 16) + micro_batch_rows(args) * per_row
+    weights = params * (4 + copy_bytes(args, bf16) + (2 if bf16 else 0)) + trained_params(model, args) * 12
+    return weights + micro_batch_rows(args) * per_row
 
 
-def decoding_bytes(model, bf16):
-    """What stays beside the KV cache while a CPU run decodes: the fp32 weights and AdamW's two moments (12 bytes a
-    parameter; 2 more for the bf16 decode copy), and the engine's headroom for prefill."""
-    return sum(p.numel() for p in model.parameters()) * (14 if bf16 else 12) + CACHE_HEADROOM
+def decoding_bytes(model, args, bf16):
+    """What stays beside the KV cache while a CPU run decodes: the fp32 weights and the decode copy, AdamW's two
+    moments of the trained parameters (8 bytes each), and the engine's headroom for prefill."""
+    params = sum(p.numel() for p in model.parameters())
+    return params * (4 + copy_bytes(args, bf16)) + trained_params(model, args) * 8 + CACHE_HEADROOM
 
 
 def micro_batch_rows(args):
@@ -190,7 +208,7 @@ def decode_rows(model, args, device, master):
     if torch.device(device).type == "cpu":
         check_training_memory(model, args, bf16, device)
         budget = args.kv_cache_gb * 2 ** 30
-        reserve = decoding_bytes(model, bf16)
+        reserve = decoding_bytes(model, args, bf16)
     try:
         rows = cache_rows(model, args.eval_batch_size, device, kv_dtype, args.max_total_tokens, budget, reserve)
     except ValueError as e:

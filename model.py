@@ -221,6 +221,9 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
         tokenizer = smollm2_tokenizer()
         return build_tiny(tokenizer, seed=seed, device=device, dtype=dtype).eval(), tokenizer
     name_or_path = resolve(name_or_path)
+    if (Path(name_or_path) / "lora.json").is_file():  # a checkpoint of a --lora-r run: its base, adapters merged
+        from lora import load_merged
+        return load_merged(name_or_path, device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name_or_path}: the tokenizer has no chat template, and sqlrl talks to models in chat "
@@ -238,12 +241,15 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32, seed=0):
 
 def refresh_sampler(sampler, model):
     """The weights to decode with: the model's, copied by name into its full decode copy (bf16 under bf16; FSDP:
-    gathered from every rank's shards), or the model itself where it is its own sampler. Decoding under autocast
+    gathered from every rank's shards; LoRA: merged), or the model itself where it is its own sampler. Decoding under autocast
     would cast every fp32 weight again at each step (docs/training.md, precision)."""
     model.zero_grad(set_to_none=True)  # every update starts from none: gradients are not needed across rollouts
     memory.release_freed_memory()  # what training freed, before the KV cache is allocated
     if sampler is not model:
         weights = dict(model.named_parameters())
+        if any("lora_" in name for name in weights):  # LoRA: each adapted weight plus its adapter's delta
+            from lora import merged_weights
+            weights = merged_weights(model)
         with torch.no_grad():
             for name, s in sampler.named_parameters():  # FSDP: all-gathers, every rank
                 p = weights[name]

@@ -36,6 +36,7 @@ from transformers.utils import logging as hf_logging
 import cli
 import config
 import env
+import lora
 import memory
 import practice
 import protocols
@@ -123,6 +124,10 @@ def main(argv=None):
     if args.rl_batch_size % args.ppo_mini_batches or mini % world:
         raise cli.UserError(f"--ppo-mini-batches {args.ppo_mini_batches} must divide --rl-batch-size "
                             f"{args.rl_batch_size} into shares that are a multiple of the world size {world}")
+    lora_settings = config.lora_settings(args)  # None: full fine-tuning
+    if lora_settings and args.fsdp:
+        raise cli.UserError("--lora-r does not run under --fsdp: a LoRA run keeps a whole frozen model per GPU "
+                            "(docs/training.md, LoRA); drop --fsdp, or --lora-r for full fine-tuning")
 
     # --- data (the gym by default, built once by rank 0) and the model: fp32 master weights, compute per --dtype
     train, evalsets = load_data(args, master)
@@ -137,22 +142,30 @@ def main(argv=None):
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
 
-    # --- resume: the latest checkpoint's state decides which stage and step we are at
+    # --- rollouts decode a full copy: bf16 under bf16, unsharded under FSDP, uncompiled under --compile, plain (the
+    # adapters merged into it) under LoRA; made before any of these changes the model
+    bf16 = args.dtype == "bf16"
+    fsdp = args.fsdp and world > 1
+    decode_copy = bf16 or fsdp or args.compile or lora_settings is not None
+    sampler = copy.deepcopy(model).to(TORCH_DTYPES[args.dtype]) if decode_copy else model
+
+    # --- resume: the latest checkpoint's state decides which stage and step we are at (optimizer state is loaded by
+    # the stage that owns it)
     ckpt, state = start_state(run_dir, args.resume, stages[0])
-    if ckpt is not None:
-        model = load_weights(model, ckpt)  # optimizer state is loaded by the stage that owns it
-        if master:
-            print(f"resuming {ckpt} ({state['stage']} step {state['step']})")
-    elif master and old:  # --overwrite (checked above)
+    adapter = None  # LoRA: peft's wrapper of the adapter being trained
+    merged = []     # LoRA: the adapters already added into the weights, in order (each checkpoint keeps them)
+    if ckpt is not None and lora_settings:
+        adapter, merged = lora.restore(model, ckpt, args.seed)
+    elif ckpt is not None:
+        model = load_weights(model, ckpt)
+    if ckpt is not None and master:
+        print(f"resuming {ckpt} ({state['stage']} step {state['step']})")
+    if ckpt is None and master and old:  # --overwrite (checked above)
         print(f"--overwrite: deleting the {len(old)} checkpoints of an earlier run in {run_dir}")
         for c in old:
             shutil.rmtree(c)
     barrier()
 
-    # --- placement: rollouts decode a full copy (bf16 under bf16, unsharded under FSDP, uncompiled under --compile)
-    bf16 = args.dtype == "bf16"
-    fsdp = args.fsdp and world > 1
-    sampler = copy.deepcopy(model).to(TORCH_DTYPES[args.dtype]) if bf16 or fsdp or args.compile else model
     autocast = functools.partial(torch.autocast, torch.device(device).type, torch.bfloat16) if bf16 else nullcontext
     distribute(model, args.fsdp, world, device, bf16, args.compile)
     log = Logger(run_dir, args, rank, state["gstep"], state["log_lines"], state["rollout_lines"])
@@ -208,6 +221,8 @@ def main(argv=None):
                 if master:
                     print(f"sft: {args.sft_epochs:g} epochs of {len(rows):,} trajectories at batch "
                           f"{args.sft_batch_size}: {args.sft_steps} steps")
+            if lora_settings and adapter is None:
+                adapter = lora.add_adapter(model, lora_settings, args.seed)
             opt, sched = make_optimizer(model, args.sft_lr, args.sft_steps, args)
             if ckpt is not None and state["step"]:
                 load_trainer_state(ckpt, model, opt, sched, args, rank)
@@ -235,9 +250,13 @@ def main(argv=None):
                              "time_update": time.perf_counter() - t0})
                     bar.set_postfix(loss=f"{loss:.3f}")
                     save_if_due(run_dir, state, log, model, tokenizer, opt, sched, args, rank, world,
-                                final=step + 1 == args.sft_steps)
+                                final=step + 1 == args.sft_steps, merged=merged)
             model.eval()
             ckpt = None
+            if adapter is not None:  # LoRA: SFT's adapter goes into the weights; RL trains a new one from there
+                merged.append(lora.adapter_state(model))
+                lora.merge_adapter(adapter)
+                adapter = None
         if "sft" in stages:
             record_eval("sft")
 
@@ -279,12 +298,16 @@ def main(argv=None):
             if args.practice_k and state["step"] == 0:  # after SFT; a resume from there measures again, same draws
                 record_practice("sft", pool)
 
+            if lora_settings and adapter is None:
+                adapter = lora.add_adapter(model, lora_settings, args.seed + 1)
             opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
             if ckpt is not None and state["step"]:
                 load_trainer_state(ckpt, model, opt, sched, args, rank)
             grpo_cfg = config.grpo_config(args, tokenizer.pad_token_id)
             ref = None
-            if args.kl_beta:
+            if args.kl_beta and adapter is not None:  # LoRA: the policy with RL's adapter off, no copy
+                ref = lora.WithoutAdapter(adapter)
+            elif args.kl_beta:
                 ref = reference_model(refresh_sampler(sampler, model), run_dir, rank, fsdp,
                                       resumed=ckpt is not None and state["step"] > 0)
 
@@ -334,7 +357,7 @@ def main(argv=None):
                     bar.set_postfix(reward=f"{row['reward_full']:.2f}", ex=f"{row['ex']:.2f}",
                                     turns=f"{row['turns']:.1f}")
                     save_if_due(run_dir, state, log, model, tokenizer, opt, sched, args, rank, world,
-                                final=step + 1 == args.rl_steps)
+                                final=step + 1 == args.rl_steps, merged=merged)
             if args.practice_k:
                 record_practice("rl", pool)
                 keep_in_last_checkpoint(run_dir, state, log, args, rank)
