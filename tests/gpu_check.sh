@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check: one command on a lent GPU machine (no network, no SmolLM2 weights), about 5 minutes on an H100, in
-# eight parts: 1 the CUDA tests; 2-7 tests/gpu_parts.py (the collectives forced at world 1, sampled rollouts at
+# The GPU check: one command on a lent GPU machine (no network, no SmolLM2 weights), about 6 minutes on an H100, in
+# nine parts: 1 the CUDA tests; 2-8 tests/gpu_parts.py (the collectives forced at world 1, sampled rollouts at
 # several row counts, memory sizing after a cached 10 GB block, a 16k-token rollout beside a ballast, a failed graph
-# capture, FSDP2 at world 1); 8 the GPU rollout benchmark and its two speedups. Each part runs on its own: its output
+# capture, FSDP2 at world 1, a 7B GRPO step with LoRA); 9 the GPU rollout benchmark and its two speedups. Each part runs on its own: its output
 # and a line "part N name: ok|FAILED|skipped" go to $OUT/gpu_check.txt (.gpu/ without $OUT) as they come, a failed
 # part does not stop the next, and the exit status is 1 if any failed. SmolLM2's tokenizer and the pinned transformers
-# and sqlglot wheels (the machine has another transformers and no sqlglot) travel in .gpu/, which git ignores.
+# sqlglot and peft wheels (the machine has another transformers and no sqlglot) travel in .gpu/, which git ignores.
 #   here, once:          bash tests/gpu_check.sh --prepare     # .gpu/wheels, .gpu/sqlrl (under 20 MiB)
 #   here, the wiring:    bash tests/gpu_check.sh --dry-run     # every part the CPU can run, tiny sizes, ~2 minutes
 #   on the GPU machine:  bash tests/gpu_check.sh               # device tool: carry [".gpu/wheels", ".gpu/sqlrl"],
@@ -30,7 +30,7 @@ if [ "$mode" = prepare ]; then
     mkdir -p .gpu/sqlrl/SmolLM2-135M-Instruct .gpu/wheels
     cp "$folder"/tokenizer.json "$folder"/tokenizer_config.json "$folder"/chat_template.jinja \
         .gpu/sqlrl/SmolLM2-135M-Instruct/
-    for pin in transformers sqlglot; do  # the versions requirements.txt pins
+    for pin in transformers sqlglot peft; do  # the versions requirements.txt pins
         $PY -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "$(grep -o "^$pin==[^ ]*" requirements.txt)"
     done
     echo "prepared .gpu/wheels and .gpu/sqlrl: $(du -shc .gpu/wheels .gpu/sqlrl | tail -1 | cut -f1) to carry"
@@ -72,17 +72,17 @@ fi
 
 run_part 1 cuda-tests 180 $PY -u -m pytest -q -p no:cacheprovider tests/test_cuda.py
 n=2
-for part in collectives row-counts memory-sizing long-context capture-fallback fsdp; do
+for part in collectives row-counts memory-sizing long-context capture-fallback fsdp lora; do
     run_part $n "$part" 120 $PY -u tests/gpu_parts.py "$part" --device $device
     n=$((n + 1))
 done
 if [ "$mode" = gpu ]; then
-    run_part 8 bench-rollout 300 $PY -u bench.py rollout --device cuda
+    run_part 9 bench-rollout 300 $PY -u bench.py rollout --device cuda
     mapfile -t speedups < <(this_run "^rollout speedup")
     for line in "${speedups[@]}"; do
         keep "  bench: $line"
     done
 else
-    skip_part 8 bench-rollout "random Qwen3 shapes in bf16 under CUDA graphs; on the CPU it decodes SmolLM2 for minutes"
+    skip_part 9 bench-rollout "random Qwen3 shapes in bf16 under CUDA graphs; on the CPU it decodes SmolLM2 for minutes"
 fi
 summary

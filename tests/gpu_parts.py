@@ -1,10 +1,11 @@
 """
-The GPU check's parts 2-7, one subcommand each (tests/gpu_check.sh runs every part as its own command, so a part that
+The GPU check's parts 2-8, one subcommand each (tests/gpu_check.sh runs every part as its own command, so a part that
 fails or hangs costs only itself): the collective paths forced at world 1, sampled rollouts at several row counts,
 memory sizing after a cached 10 GB block, a 16k-token rollout beside a ballast tensor, a failed CUDA graph capture,
-and FSDP2 at world 1. Random weights throughout: the tiny fixture, or Qwen3-0.6B's shape (model.SHAPES) where size
-matters. Each part prints one line per result and how long it took; it exits 1 when a result fails, and 77
-(skipped) when it needs CUDA and --device is cpu (the check's --dry-run runs the rest on the CPU, small).
+FSDP2 at world 1, and a 7B GRPO step with LoRA. Random weights throughout: the tiny fixture, or Qwen3-0.6B's shape
+(model.SHAPES) where size matters. Each part prints one line per result and how long it took; it exits 1 when a result
+fails, and 77 (skipped) when it needs CUDA and --device is cpu (the check's --dry-run runs the rest on the CPU,
+small).
 
     python -u tests/gpu_parts.py collectives --device cuda
     python -u tests/gpu_parts.py --help            # the parts, in the order the check runs them
@@ -534,8 +535,85 @@ def part_fsdp(args):
         close_group()
 
 # -----------------------------------------------------------------------------
+# 8. one GRPO step of a 7B model with LoRA on one GPU
 
-PARTS = {  # in the order gpu_check.sh runs them (its parts 2-7)
+
+LORA_SHAPE = "Qwen2.5-Coder-7B"  # SkyRL-SQL's model
+
+
+def part_lora(args):
+    """A GRPO step of a random-weight Qwen2.5-Coder-7B shape with LoRA (rank 16 on every linear layer of the decoder)
+    as train.py runs it on one GPU: fp32 master weights, a bf16 decode copy, bf16 autocast, non-reentrant activation
+    checkpointing, one group of SkyRL's 5 rollouts of 8,192 tokens (4,096 of them sampled), one row per forward.
+    Records the step's peak memory, its seconds, and the KV-cache rows of 16,384 tokens that fit beside it."""
+    import copy
+    import functools
+    from types import SimpleNamespace
+
+    import torch
+
+    import lora
+    import memory
+    from distributed import distribute
+    from grpo import GRPOConfig
+    from model import build_random, refresh_sampler
+    from train import rl_update
+    device = args.device
+    on_cuda = device == "cuda"
+    torch.manual_seed(0)
+    if on_cuda:
+        model = build_random(LORA_SHAPE, dtype=torch.float32, device=device)
+        rows, length, sampled, limit = 5, 8192, 4096, 16384
+    else:  # the dry run: the tiny model, short rows
+        model = tiny(device)[0]
+        rows, length, sampled, limit = 5, 256, 128, 1024
+    params = sum(p.numel() for p in model.parameters())
+    sampler = copy.deepcopy(model).to(torch.bfloat16)  # the decode copy, made before the adapter
+    distribute(model, False, 1, device, bf16=True)  # activation checkpointing on CUDA
+    lora.add_adapter(model, lora.LoraSettings(r=16, alpha=32), seed=0)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"{LORA_SHAPE if on_cuda else 'tiny'}: {params / 1e9:.2f}B parameters, {trained / 1e6:.1f}M in the adapter; "
+          f"weights {params * 4 / 1e9:.1f} GB fp32 + decode copy {params * 2 / 1e9:.1f} GB bf16")
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    turn = [-1] * (length - sampled) + [0] * sampled
+    ep = SimpleNamespace(propose_turn=-1, turn_valid=[True], final_sql="SELECT 1")
+    trajs = [SimpleNamespace(token_ids=torch.randint(0, vocab, (length,), generator=g).tolist(), turn_ids=turn,
+                             loss_mask=[int(t >= 0) for t in turn], sample_logprobs=[-1.0] * length, episode=ep,
+                             stop_reason="answer") for _ in range(rows)]
+    rewards = [{"full": float(i % 2), "schema": None} for i in range(rows)]
+    cfg = GRPOConfig(group_size=rows, micro_batch_size=1, eps_low=0.2, eps_high=0.2, temperature=0.6,
+                     recompute_old_logp=True, pad_id=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    autocast = functools.partial(torch.autocast, torch.device(device).type, torch.bfloat16)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    t0 = time.perf_counter()
+    try:
+        model.train()
+        out = rl_update(model, opt, trajs, rewards, cfg, None, None, autocast)
+    except torch.OutOfMemoryError as e:
+        print(f"the step ran out of memory: {first_line(e)}")
+        return False
+    sync(device)
+    seconds = time.perf_counter() - t0
+    print(f"grpo_step: {rows} x {length:,} tokens in {seconds:.1f} s, loss {out['loss']:.4f}, "
+          f"grad norm {out['grad_norm']:.3g}, {out['tokens']} trained tokens")
+    refresh_sampler(sampler, model)  # the decode copy takes the merged weights, as before RL's next rollout
+    if not on_cuda:
+        print("peak memory and KV rows: not measured on the CPU (the part's wiring only)")
+        return out["grad_norm"] > 0
+    peak = torch.cuda.max_memory_allocated()
+    kv_rows = memory.cache_rows(sampler, 4096, device, torch.bfloat16, limit)
+    per_row = memory.kv_bytes_per_row(sampler.config, limit, torch.bfloat16)
+    print(f"peak allocated {peak / 1e9:.1f} GB of {torch.cuda.get_device_properties(0).total_memory / 1e9:.0f} GB; "
+          f"beside it the KV cache holds {kv_rows} rows of {limit:,} tokens ({per_row / 1e6:.0f} MB a row)")
+    return out["grad_norm"] > 0 and kv_rows > 0
+
+# -----------------------------------------------------------------------------
+
+PARTS = {  # in the order gpu_check.sh runs them (its parts 2-8)
     "collectives": (part_collectives, "2. each collective path of train.py, eval.py and grpo.py, forced at world 1 on "
                                       "a one-rank cpu:gloo,cuda:nccl group"),
     "row-counts": (part_row_counts, "3. sampled rollouts decoded 4, 16 and all rows at a time: trajectories that "
@@ -546,6 +624,7 @@ PARTS = {  # in the order gpu_check.sh runs them (its parts 2-7)
     "capture-fallback": (part_capture_fallback, "6. a failed CUDA graph capture: which fallback ran, and its "
                                                 "tokens/s (CUDA)"),
     "fsdp": (part_fsdp, "7. FSDP2 at world 1: a rollout, a grpo_step, the decode copy's refresh, a second rollout"),
+    "lora": (part_lora, "8. a GRPO step of a 7B model with LoRA on one GPU: peak memory, seconds, the KV rows beside"),
 }
 
 

@@ -32,9 +32,9 @@ def test_the_side_script_lists_its_parts_in_the_order_the_check_runs_them():
     loop = re.search(r"^for part in ([a-z -]+); do$", (ROOT / "tests/gpu_check.sh").read_text(), flags=re.M)
     assert loop, "gpu_check.sh runs tests/gpu_parts.py's parts in one loop"
     assert listed == loop.group(1).split() == ["collectives", "row-counts", "memory-sizing", "long-context",
-                                               "capture-fallback", "fsdp"]
+                                               "capture-fallback", "fsdp", "lora"]
     numbers = re.findall(r"^    [a-z-]+\s+(\d)\. ", parts, flags=re.M)
-    assert numbers == ["2", "3", "4", "5", "6", "7"]  # the parts 2-7, each help line names its number
+    assert numbers == ["2", "3", "4", "5", "6", "7", "8"]  # parts 2-8, each help line names its number
 
 
 BARS = r"x:  50%%|#  | 1/2 [00:01<00:01,  1.00it/s]\rx: 100%%|##| 2/2 [00:02<00:00,  1.00it/s]\n"  # tqdm, printf'd
