@@ -6,6 +6,7 @@ Train a text-to-SQL agent: SFT warm-up on multi-turn trajectories, then multi-tu
     python train.py --recipe trail --model Qwen/Qwen2.5-Coder-3B-Instruct --data data/spider/train.jsonl \\
         --sft-data out/teacher/spider_trail.jsonl --dev-data data/spider/dev.jsonl
     torchrun --nproc_per_node=8 train.py --recipe trust --model Qwen/Qwen3-4B --data ... --fsdp
+    python train.py --recipe skyrl --model Qwen/Qwen2.5-Coder-7B-Instruct --lora-r 16 --rl-lr 1e-5 --data ...  # 1 GPU
 
 A recipe (--recipe trust|trail|mtir|skyrl) is a dict of flag defaults taken from its paper, a preset (--preset demo)
 the sizes of a setting; explicit flags win (config.py).
@@ -40,9 +41,9 @@ import lora
 import memory
 import practice
 import protocols
-from data.spider.prepare import spider_sample
 from checkpoint import (keep_in_last_checkpoint, load_trainer_state, load_weights, replaceable_checkpoints, save_if_due,
                         start_state)
+from data.spider.prepare import spider_sample
 from distributed import all_ranks, barrier, distribute, over_ranks, setup_distributed
 from eval import evaluate_ex, trained_settings
 from grpo import grpo_step
@@ -269,7 +270,7 @@ def main(argv=None):
                 pool = train
                 if args.filter_k:
                     cands = train[: args.filter_limit or None]
-                    rule = practice.PoolRule(args.filter_pass_rate, bool(args.filter_solved_once), args.filter_top_n,
+                    rule = practice.PoolRule(args.filter_pass_rate, args.filter_solved_once, args.filter_top_n,
                                              args.filter_unsolved_n)
                     with timed(times, "filter"):
                         pool, _, warm = practice.difficulty_filter(
