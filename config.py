@@ -67,13 +67,14 @@ RECIPES = {
 }
 # --preset demo (the default without --model): the demo's sizes on top of the recipe, for a 2-core CPU. A short
 # system prompt (the paper's is 612 tokens); the teacher lists the tables, reads the needed CREATE TABLEs and
-# answers. RL practises a fixed set of training questions that SFT solves sometimes but not always (4 rollouts each
-# of 96 candidates), 8 per GRPO step, each twice, and measures them before and after with draws of their own. One
-# sequence per forward + backward keeps the peak memory low; the KV cache fits --kv-cache-gb.
+# answers. RL practises a fixed set of 32 training questions that SFT solves sometimes but not always (4 rollouts each
+# of the first candidates until 32 are found), 8 per GRPO step, each twice (8 steps), and measures them before and
+# after with draws of their own. One sequence per forward + backward keeps the peak memory low; the KV cache fits
+# --kv-cache-gb.
 DEMO = dict(brief_prompt=True, obs_rows=40, teacher_probes=0, teacher_distractors=0, teacher_list_tables=True,
             max_turns=6, max_new_tokens=160, max_total_tokens=1536, sft_steps=48, sft_batch_size=4, micro_batch_size=1,
             sft_lr=1e-4, warmup_ratio=0.05, rl_epochs=2, rl_batch_size=8, ppo_mini_batches=1,
-            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=96, filter_top_n=0,
+            group_size=4, rl_lr=1e-5, temperature=0.7, filter_k=4, filter_limit=256, practice_size=32, filter_top_n=0,
             filter_pass_rate=1.0, filter_solved_once=True, filter_unsolved_n=0, practice_k=4, dynamic_sampling=False,
             eval_limit=100, spider_limit=0, ckpt_every=0, eval_batch_size=128)
 # --quick: a few steps of every stage, small enough for a test
@@ -199,6 +200,9 @@ def get_parser(add_help=True):
                         "kept groups are RL's first batch")
     p.add_argument("--filter-limit", type=cli.nonneg_int, default=0,
                    help="candidate questions for the filter (0 = all)")
+    p.add_argument("--practice-size", type=cli.nonneg_int, default=0,
+                   help="the filter looks at the candidates this many at a time and stops once this many are kept: "
+                        "RL practises exactly these (0 = every kept candidate)")
     p.add_argument("--filter-solved-once", action="store_true",
                    help="keep only questions a filter rollout solved; with --filter-pass-rate 1: those solved sometimes"
                         " but not always (the demo's practice set)")

@@ -92,26 +92,47 @@ def select_rl_pool(examples, rates, rule):
     return [ex for ex in examples if ex["id"] in keep]
 
 
-def difficulty_filter(policy, tokenizer, examples, cfg, reward_fn, rule, k, *, batch_size, rl_batch_size, seed,
-                      reuse, rank, world):
+def difficulty_filter(policy, tokenizer, examples, cfg, reward_fn, rule, k, *, size=0, batch_size, rl_batch_size,
+                      seed, reuse, rank, world):
     """Pass rate of each candidate over k rollouts of the current policy (each rank one continuous batch of a strided
-    share; rates gathered so every rank holds the same pool), then the rule (select_rl_pool). Returns the pool, the
-    rates, and with reuse this rank's share of RL's first batch: each rank's kept groups ranked by S(q), which are
-    on-policy groups of the same sampler, so they need not be rolled out again (reuse: k is RL's group size and every
-    question has the same turn budget). The pool then comes in the order that makes RL's data order open with that
-    batch (rl_order)."""
-    mine = examples[rank::world]
-    rates, trajs, rewards = pass_rates(policy, tokenizer, mine, cfg, reward_fn, k, batch_size=batch_size,
-                                       seed=seed * 7919 + rank)
-    pool = select_rl_pool(examples, rates, rule)
+    share; rates gathered so every rank holds the same pool), then the rule (select_rl_pool). size > 0: the
+    candidates are looked at `size` at a time, the filter stops once `size` are kept, and the pool is those `size`
+    (the practice set's size); a row draws with its running index, as in one batch, so where the filter stops changes
+    no sample. Returns the pool, the rates of the candidates looked at, and with reuse this rank's share of RL's
+    first batch: each rank's kept groups ranked by S(q), which are on-policy groups of the same sampler, so they need
+    not be rolled out again (reuse: k is RL's group size and every question has the same turn budget). The pool then
+    comes in the order that makes RL's data order open with that batch (rl_order)."""
+    step = size or len(examples)
+    shares = [[] for _ in range(world)]  # every rank's candidates, in the order it rolled them out
+    rates = {}
+    trajs = []
+    rewards = []
+    pool = []
+    for start in range(0, len(examples), step):
+        chunk = examples[start:start + step]
+        for r in range(world):
+            shares[r] += chunk[r::world]
+        mine = chunk[rank::world]
+        keys = list(range(len(trajs), len(trajs) + len(mine) * k))  # this rank's running row index
+        chunk_rates, chunk_trajs, chunk_rewards = pass_rates(policy, tokenizer, mine, cfg, reward_fn, k,
+                                                             batch_size=batch_size, seed=seed * 7919 + rank,
+                                                             draw_keys=keys)
+        rates |= chunk_rates
+        trajs += chunk_trajs
+        rewards += chunk_rewards
+        pool = select_rl_pool(examples[:start + step], rates, rule)
+        if size and len(pool) >= size:
+            break
+    if size:
+        pool = pool[:size]
     kept = {ex["id"] for ex in pool}
     share = rl_batch_size // world
-    firsts = [sorted([ex["id"] for ex in examples[r::world] if ex["id"] in kept],
+    firsts = [sorted([ex["id"] for ex in shares[r] if ex["id"] in kept],
                      key=lambda q: difficulty_score(rates[q]))[:share] for r in range(world)]  # every rank's
     if not pool or any(len(f) < share for f in firsts) or not reuse:
         return pool, rates, None  # not the batch RL would sample: RL rolls out its own
     first = [firsts[p % world][p // world] for p in range(rl_batch_size)]  # rank r's share is first[r::world]
-    groups = {ex["id"]: range(i * k, (i + 1) * k) for i, ex in enumerate(mine)}
+    groups = {ex["id"]: range(i * k, (i + 1) * k) for i, ex in enumerate(shares[rank])}
     first_rows = [j for q in firsts[rank] for j in groups[q]]
     warm = ([trajs[j] for j in first_rows], [rewards[j] for j in first_rows])
     return rl_order(pool, first, rl_batch_size, seed), rates, warm

@@ -273,18 +273,18 @@ def main(argv=None):
                     rule = practice.PoolRule(args.filter_pass_rate, args.filter_solved_once, args.filter_top_n,
                                              args.filter_unsolved_n)
                     with timed(times, "filter"):
-                        pool, _, warm = practice.difficulty_filter(
+                        pool, rates, warm = practice.difficulty_filter(
                             refresh_sampler(sampler, model), tokenizer, cands, rollout_cfg, reward_fn, rule,
-                            args.filter_k, batch_size=args.eval_batch_size, rl_batch_size=args.rl_batch_size,
-                            seed=args.seed, reuse=args.filter_k == args.group_size and not args.adaptive_turns,
-                            rank=rank, world=world)
+                            args.filter_k, size=args.practice_size, batch_size=args.eval_batch_size,
+                            rl_batch_size=args.rl_batch_size, seed=args.seed,
+                            reuse=args.filter_k == args.group_size and not args.adaptive_turns, rank=rank, world=world)
                     if master:
-                        print(f"difficulty filter: kept {len(pool)}/{len(cands)} by {rule.describe()} over "
-                              f"{args.filter_k} rollouts")
+                        print(f"difficulty filter: kept {len(pool)} of the first {len(rates)} of {len(cands)} "
+                              f"candidates by {rule.describe()} over {args.filter_k} rollouts")
                     if not pool:
                         raise cli.UserError(f"the difficulty filter kept none of {len(cands)} questions: raise "
                                             "--filter-pass-rate or --filter-top-n, or give more with --filter-limit")
-                    log.log({"stage": "filter", "step": 0, "gstep": state["gstep"], "filter_candidates": len(cands),
+                    log.log({"stage": "filter", "step": 0, "gstep": state["gstep"], "filter_candidates": len(rates),
                              "filter_kept": len(pool)})
                 state["rl_pool"] = [ex["id"] for ex in pool]
             by_id = {ex["id"]: ex for ex in train}

@@ -71,6 +71,22 @@ def test_a_policy_that_answers_one_question_otherwise_moves_only_that_question(t
     assert {q: v for q, v in after.items() if q != changed} == {q: v for q, v in before.items() if q != changed}
 
 
+def test_where_the_filter_stops_changes_no_sample(tiny, examples):
+    """Looking at the candidates 2 at a time draws what one batch of all of them draws: each row's key is its running
+    index, so a practice set filled early holds the questions a whole pass would have kept first."""
+    model, tokenizer = tiny
+    args = config.get_args(["--model", "tiny", "--quick", "--reward", "parity", "--temperature", "1.0"])
+    cfg = config.rollout_config(args, args.protocol)
+
+    def rates(size):  # a rule that keeps nothing: every pair is looked at
+        return practice.difficulty_filter(model, tokenizer, examples[:8], cfg, first_token_even,
+                                          practice.PoolRule(pass_rate=0.0), 2, size=size, batch_size=16,
+                                          rl_batch_size=2, seed=0, reuse=False, rank=0, world=1)[1]
+    whole = rates(0)
+    assert 0 < np.mean(list(whole.values())) < 1
+    assert rates(2) == whole and len(whole) == 8
+
+
 @pytest.fixture(scope="module")
 def practised(tmp_path_factory):
     """A quick run with a practice set: the filter keeps the candidates solved sometimes (2 rollouts each), RL makes two

@@ -55,7 +55,7 @@ def test_recipe_sets_defaults_and_explicit_flags_win():
 
 def test_the_demo_takes_skyrls_reward_under_the_trust_recipe_and_no_other():
     demo = config.get_args([])  # smollm2 and the trust recipe: the demo's reward, its sizes
-    assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 96, 0, 8)
+    assert (demo.reward, demo.filter_limit, demo.filter_top_n, demo.rl_batch_size) == ("skyrl", 256, 0, 8)
     assert (demo.filter_pass_rate, demo.filter_solved_once, demo.practice_k, demo.spider_limit) == (1.0, True, 4, 0)
     assert config.get_args(["--recipe", "trail"]).reward == "trail"  # the demo's sizes, the paper's reward
     assert config.get_args(["--model", "tiny"]).reward == "trust"  # no demo: the recipe's reward
@@ -557,6 +557,20 @@ def test_the_filters_groups_are_the_first_rl_batch(monkeypatch):
     assert [t.example["id"] for t in trajs] == [1, 1, 4, 4] and [r["full"] for r in rewards] == [1, 0, 1, 0]
     assert [pool[i]["id"] for i in practice.rl_batch(len(pool), 2, 1, 0)] == [1, 4]  # RL's own first step reads them
     assert keep_top_3(reuse=False)[2] is None  # e.g. RL's groups of another size: not the batch RL would sample
+
+
+def test_the_filter_stops_once_the_practice_set_is_full(monkeypatch):
+    # candidates 1, 3 and 4 are solved once in 2 rollouts; a practice set of 2 is full after the second pair
+    calls, _ = _fake_rollouts(monkeypatch, signal=set())
+
+    def reward(t, ex):
+        solved = float(ex["id"] in (1, 3, 4) and t.k == 0)
+        return {"full": solved, "correct": solved}
+    pool, rates, _ = practice.difficulty_filter(None, None, [{"id": i} for i in range(6)], RolloutConfig(), reward,
+                                                practice.PoolRule(solved_once=True), 2, size=2, batch_size=8,
+                                                rl_batch_size=2, seed=1, reuse=False, rank=0, world=1)
+    assert calls == [[0, 1], [2, 3]] and sorted(rates) == [0, 1, 2, 3]  # candidates 4 and 5 never rolled out
+    assert [ex["id"] for ex in pool] == [1, 3]
 
 
 def test_on_two_ranks_each_ranks_filter_groups_are_its_share_of_rls_first_step(monkeypatch):
