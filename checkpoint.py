@@ -10,12 +10,14 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from cli import UserError
 from distributed import barrier
 from lora import LoraSettings, save_adapters
 
@@ -94,6 +96,18 @@ def write_state(ckpt, state, gstep, args):
     tmp = ckpt / ".state.json.tmp"
     tmp.write_text(json.dumps({**state, "global_step": gstep, "args": vars(args)}, indent=1))
     os.replace(tmp, ckpt / "state.json")
+
+
+def run_name(name, resume):
+    """The run's folder name: the one given, else a new run-<date>-<time> (rank 0's, on every rank)."""
+    if name is not None:
+        return name
+    if resume:
+        raise UserError("--resume needs --run-name: the folder under --out-dir of the run to continue")
+    name = [time.strftime("run-%Y%m%d-%H%M%S")]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
 
 
 def replaceable_checkpoints(run_dir, model, resume, overwrite):

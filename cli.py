@@ -5,6 +5,7 @@ a user's mistake as one line, `error: <what is wrong and what to do>`, exit stat
     python train.py --group-size 0      # error: argument --group-size: must be an integer >= 1, got 0; see --help
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,20 @@ class UserError(Exception):
 def die(message):
     print("error: " + " ".join(str(message).split()), file=sys.stderr)  # one line, whatever the message holds
     sys.exit(2)
+
+
+def run(main):
+    """An entry point's __main__: main(), a UserError as its one line. Under torchrun the process then ends at once:
+    gloo's worker threads outlive destroy_process_group, and one that frees a tensor during interpreter teardown takes
+    the GIL and aborts (SIGABRT, ~1 run in 20), failing a run whose outputs are all written."""
+    try:
+        main()
+    except UserError as e:
+        die(e)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

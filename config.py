@@ -1,6 +1,6 @@
 """
-Configuration: train.py's flags, each paper's recipe and each preset as a plain dict of flag defaults, and the one
-order in which they stack, lowest first:
+Configuration: train.py's flags, each paper's recipe and each preset as a plain dict of flag defaults, the one
+order in which they stack, and the questions the data flags name. The order, lowest first:
 
     the parser's defaults < the recipe (--recipe) < the preset (--preset) < a train.py checkpoint given as --model
     (the prompt variant and limits it was trained in) < --quick < the flags typed on the command line
@@ -14,12 +14,15 @@ the demo's 48 SFT steps win over the trust recipe's 2 epochs, a typed --rl-steps
 """
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 import torch
 
 import cli
 import env
+from data.spider.prepare import spider_sample
+from distributed import barrier
 from eval import trained_settings
 from grpo import GRPOConfig
 from lora import LoraSettings
@@ -328,12 +331,59 @@ def check_resume(args, typed, saved):
                             f"{'that flag' if len(changed) == 1 else 'those flags'}, or start a new --run-name")
 
 
+def check_sizes(args, world):
+    """Settings that cannot run together, or not on this many ranks: an error line before any work."""
+    mini = args.rl_batch_size // args.ppo_mini_batches  # prompts per optimizer step
+    if args.rl_batch_size % args.ppo_mini_batches or mini % world:
+        raise cli.UserError(f"--ppo-mini-batches {args.ppo_mini_batches} must divide --rl-batch-size "
+                            f"{args.rl_batch_size} into shares that are a multiple of the world size {world}")
+    if args.lora_r and args.fsdp:
+        raise cli.UserError("--lora-r does not run under --fsdp: a LoRA run keeps a whole frozen model per GPU "
+                            "(docs/training.md, LoRA); drop --fsdp, or --lora-r for full fine-tuning")
+
+
 def describe(args):
     """The first line a run prints: the recipe, the preset, and a reward the preset swapped in."""
     line = f"recipe {args.recipe}, preset {args.preset}"
     if args.preset == "demo" and args.reward == DEMO_REWARD.get(args.recipe):
         line += f", reward {args.reward} (the demo's, in place of the recipe's {RECIPES[args.recipe]['reward']})"
     return line
+
+
+def save(args, run_dir):
+    """Prints every final value and writes them to the run's config.json (what --resume compares with)."""
+    print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
+                        subsequent_indent="  "))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+
+
+# -----------------------------------------------------------------------------
+# the run's questions: the data flags, the gym's splits where none is given
+
+
+def load_data(args, master):
+    """The training questions and {name: eval questions}: the gym's splits for any not given (built once, by rank
+    0), dev and test cut to --eval-limit, and --spider-limit Spider dev questions when asked for."""
+    if None in (args.data, args.dev_data, args.test_data):
+        from data.gym.prepare import ensure_gym
+        if master:
+            ensure_gym(seed=0)
+        barrier()
+        gym = ensure_gym(seed=0)
+        for flag, split in (("data", "train"), ("dev_data", "dev"), ("test_data", "test")):
+            setattr(args, flag, getattr(args, flag) or str(gym / f"{split}.jsonl"))
+    try:
+        train = env.load_examples(args.data)
+        dev = env.load_examples(args.dev_data)[: args.eval_limit or None]
+        test = env.load_examples(args.test_data)[: args.eval_limit or None]
+    except (FileNotFoundError, ValueError) as e:  # a bad record or a missing database
+        raise cli.UserError(e) from None
+    spider = spider_sample(args.spider_dir, args.spider_limit) if args.spider_limit else []
+    if master and args.spider_limit and not spider:
+        print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
+    return train, {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
+
 
 # -----------------------------------------------------------------------------
 # the settings objects library code takes, built from the flags once

@@ -13,6 +13,7 @@ folder under $SQLRL_CACHE (default ~/.cache/sqlrl) that any from_pretrained call
 """
 import copy
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -272,7 +273,20 @@ def reference_model(policy, run_dir, rank, fsdp=False, resumed=False):
     return shard(ref) if fsdp else ref
 
 # -----------------------------------------------------------------------------
-# the forward a training loss reads: only the positions that predict a trained token reach the LM head
+# training: the optimizer and its schedule (both stages), the forward a loss reads
+
+
+def make_optimizer(model, lr, steps, weight_decay, warmup_ratio):
+    """AdamW (betas 0.9/0.95, SQL-Trail A.5) on the parameters that train, with linear warmup then cosine decay."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    warm = max(1, int(warmup_ratio * steps))
+
+    def cosine(s):  # linear warm-up, then cosine to 0
+        return min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
 
 
 def predicting_logits(model, input_ids, mask, full_forward=False):

@@ -6,6 +6,8 @@ after RL, the stage seconds and results.json.
     python train.py --model tiny --quick     # out/quick/: metrics.jsonl, rollouts.jsonl, curves.png, results.json
 """
 import json
+import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -60,6 +62,14 @@ class Logger:
 
     def rows(self):
         return read_jsonl(self.path)
+
+
+@contextmanager
+def timed(times, name):
+    """Adds the seconds of the block to times[name] (the report's stage seconds)."""
+    t0 = time.perf_counter()
+    yield
+    times[name] = times.get(name, 0.0) + time.perf_counter() - t0
 
 
 def read_jsonl(path):

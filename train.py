@@ -16,16 +16,12 @@ holds checkpoints (pass --resume, another --run-name or --overwrite): it never d
 """
 import copy
 import functools
-import json
 import math
-import os
 import random
 import shutil
-import sys
-import textwrap
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -36,39 +32,25 @@ from transformers.utils import logging as hf_logging
 
 import cli
 import config
-import env
 import lora
 import memory
 import practice
 import protocols
-from checkpoint import (keep_in_last_checkpoint, load_trainer_state, load_weights, replaceable_checkpoints, save_if_due,
-                        start_state)
-from data.spider.prepare import spider_sample
+from checkpoint import (keep_in_last_checkpoint, load_trainer_state, load_weights, replaceable_checkpoints, run_name,
+                        save_if_due, start_state)
 from distributed import all_ranks, barrier, distribute, over_ranks, setup_distributed
 from eval import evaluate_ex, trained_settings
 from grpo import grpo_step
-from model import TORCH_DTYPES, load_model, reference_model, refresh_sampler, resolve, resolve_dtype
-from report import Logger, report, trajectory_record
+from model import (TORCH_DTYPES, load_model, make_optimizer, reference_model, refresh_sampler, resolve,
+                   resolve_dtype)
+from report import Logger, report, timed, trajectory_record
 from rewards import REWARDS, turn_budget
 from sft import agent_tokens, load_sft_data, sft_step
 
 hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
 
 # -----------------------------------------------------------------------------
-# the optimizer and its schedule, an RL update, a stage's seconds
-
-
-def make_optimizer(model, lr, steps, args):
-    """AdamW (betas 0.9/0.95, SQL-Trail A.5) with linear warmup then cosine decay."""
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
-    warm = max(1, int(args.warmup_ratio * steps))
-
-    def cosine(s):  # linear warm-up, then cosine to 0
-        return min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps))))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine)
+# an RL update
 
 
 def rl_update(model, opt, trajs, rewards, cfg, ref, tracks, autocast):
@@ -76,13 +58,6 @@ def rl_update(model, opt, trajs, rewards, cfg, ref, tracks, autocast):
     with autocast():
         return grpo_step(model, opt, trajs, rewards, cfg, ref_model=ref, tracks=tracks)
 
-
-@contextmanager
-def timed(times, name):
-    """Adds the seconds of the block to times[name] (the report's stage seconds)."""
-    t0 = time.perf_counter()
-    yield
-    times[name] = times.get(name, 0.0) + time.perf_counter() - t0
 
 # -----------------------------------------------------------------------------
 
@@ -98,13 +73,7 @@ def main(argv=None):
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    if args.run_name is None:
-        if args.resume:
-            raise cli.UserError("--resume needs --run-name: the folder under --out-dir of the run to continue")
-        name = [time.strftime("run-%Y%m%d-%H%M%S")]  # a new folder per run, rank 0's name on every rank
-        if dist.is_initialized():
-            dist.broadcast_object_list(name, src=0)
-        args.run_name = name[0]
+    args.run_name = run_name(args.run_name, args.resume)
     run_dir = Path(args.out_dir) / args.run_name
     stages = ["sft", "rl"] if args.stage == "both" else [args.stage]
     master = rank == 0
@@ -121,27 +90,18 @@ def main(argv=None):
         old = replaceable_checkpoints(run_dir, args.model, args.resume, args.overwrite)
     except (OSError, RuntimeError, ValueError) as e:
         raise cli.UserError(e) from None
-    mini = args.rl_batch_size // args.ppo_mini_batches  # prompts per optimizer step
-    if args.rl_batch_size % args.ppo_mini_batches or mini % world:
-        raise cli.UserError(f"--ppo-mini-batches {args.ppo_mini_batches} must divide --rl-batch-size "
-                            f"{args.rl_batch_size} into shares that are a multiple of the world size {world}")
+    config.check_sizes(args, world)
     lora_settings = config.lora_settings(args)  # None: full fine-tuning
-    if lora_settings and args.fsdp:
-        raise cli.UserError("--lora-r does not run under --fsdp: a LoRA run keeps a whole frozen model per GPU "
-                            "(docs/training.md, LoRA); drop --fsdp, or --lora-r for full fine-tuning")
 
     # --- data (the gym by default, built once by rank 0) and the model: fp32 master weights, compute per --dtype
-    train, evalsets = load_data(args, master)
+    train, evalsets = config.load_data(args, master)
     try:
         model, tokenizer = load_model(model_path, device=device, seed=args.seed)
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise cli.UserError(e) from None
     args.eval_batch_size = memory.decode_rows(model, args, device, master)
     if master:  # the layers, then the command line, then the memory: what this run uses
-        print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())), 118,
-                            subsequent_indent="  "))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+        config.save(args, run_dir)
 
     # --- rollouts decode a full copy: bf16 under bf16, unsharded under FSDP, uncompiled under --compile, plain (the
     # adapters merged into it) under LoRA; made before any of these changes the model
@@ -224,7 +184,7 @@ def main(argv=None):
                           f"{args.sft_batch_size}: {args.sft_steps} steps")
             if lora_settings and adapter is None:
                 adapter = lora.add_adapter(model, lora_settings, args.seed)
-            opt, sched = make_optimizer(model, args.sft_lr, args.sft_steps, args)
+            opt, sched = make_optimizer(model, args.sft_lr, args.sft_steps, args.weight_decay, args.warmup_ratio)
             if ckpt is not None and state["step"]:
                 load_trainer_state(ckpt, model, opt, sched, args, rank)
             model.train()
@@ -301,7 +261,7 @@ def main(argv=None):
 
             if lora_settings and adapter is None:
                 adapter = lora.add_adapter(model, lora_settings, args.seed + 1)
-            opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args)
+            opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args.weight_decay, args.warmup_ratio)
             if ckpt is not None and state["step"]:
                 load_trainer_state(ckpt, model, opt, sched, args, rank)
             grpo_cfg = config.grpo_config(args, tokenizer.pad_token_id)
@@ -374,41 +334,5 @@ def main(argv=None):
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
-# -----------------------------------------------------------------------------
-# setup: the run's questions
-
-
-def load_data(args, master):
-    """The training questions and {name: eval questions}: the gym's splits for any not given (built once, by rank
-    0), dev and test cut to --eval-limit, and --spider-limit Spider dev questions when asked for."""
-    if None in (args.data, args.dev_data, args.test_data):
-        from data.gym.prepare import ensure_gym
-        if master:
-            ensure_gym(seed=0)
-        barrier()
-        gym = ensure_gym(seed=0)
-        for flag, split in (("data", "train"), ("dev_data", "dev"), ("test_data", "test")):
-            setattr(args, flag, getattr(args, flag) or str(gym / f"{split}.jsonl"))
-    try:
-        train = env.load_examples(args.data)
-        dev = env.load_examples(args.dev_data)[: args.eval_limit or None]
-        test = env.load_examples(args.test_data)[: args.eval_limit or None]
-    except (FileNotFoundError, ValueError) as e:  # a bad record or a missing database
-        raise cli.UserError(e) from None
-    spider = spider_sample(args.spider_dir, args.spider_limit) if args.spider_limit else []
-    if master and args.spider_limit and not spider:
-        print(f"spider: {args.spider_dir} has no dev.json; Spider evaluation skipped")
-    return train, {"dev": dev, "test": test} | ({"spider": spider} if spider else {})
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except cli.UserError as e:
-        cli.die(e)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # gloo's worker threads stay alive past destroy_process_group; one that frees a tensor during interpreter
-        # teardown takes the GIL and aborts (SIGABRT, ~1 run in 20), failing a finished run. Everything is written.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    cli.run(main)

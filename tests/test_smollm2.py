@@ -11,10 +11,9 @@ import env
 import protocols
 import rollout
 import config
-import train
 from grpo import GRPOConfig, build_batch, grpo_step, token_logprobs
 from checkpoint import save_checkpoint
-from model import load_model, resolve_dtype
+from model import load_model, make_optimizer, resolve_dtype
 from rewards import REWARDS
 
 
@@ -101,7 +100,7 @@ def test_one_grpo_step_moves_smollm2_along_the_advantage_and_saves_a_plain_check
     assert rewards[0]["correct"] and not rewards[1]["correct"] and rewards[0]["full"] > rewards[1]["full"]
 
     args = config.get_args(["--preset", "demo", "--rl-lr", "1e-5", "--rl-steps", "1", "--warmup-ratio", "0"])
-    opt, sched = train.make_optimizer(model, args.rl_lr, args.rl_steps, args)
+    opt, sched = make_optimizer(model, args.rl_lr, args.rl_steps, args.weight_decay, args.warmup_ratio)
     batch = build_batch(trajs, tokenizer.pad_token_id)
     mask = batch["loss_mask"].bool()
 

@@ -24,7 +24,7 @@ from data.spider.prepare import spider_sample
 from sft import load_sft_data
 from grpo import GRPOConfig, grpo_step
 from checkpoint import latest_checkpoint, load_trainer_state, load_weights, save_checkpoint
-from model import load_model
+from model import load_model, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -365,7 +365,7 @@ def test_rl_from_a_checkpoint_in_its_own_run_folder_never_deletes_it(tmp_path, m
 def test_a_kill_between_the_temp_write_and_the_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch, tiny):
     model, tok = tiny
     args = config.get_args(QUICK)
-    opt, sched = train.make_optimizer(model, 1e-4, 10, args)
+    opt, sched = make_optimizer(model, 1e-4, 10, args.weight_decay, args.warmup_ratio)
     state = {"stage": "sft", "step": 1, "gstep": 1, "evals": {}, "rl_pool": None}
     first = save_checkpoint(tmp_path, 1, model, tok, opt, sched, state, args, 0, 1)
     replace = os.replace
@@ -381,7 +381,7 @@ def test_a_kill_between_the_temp_write_and_the_rename_leaves_the_previous_checkp
     assert (tmp_path / ".tmp-ckpt-000002").is_dir() and latest_checkpoint(tmp_path) == first
     fresh, _ = load_model("tiny", seed=1)  # other weights, so that loading visibly restores the saved ones
     load_weights(fresh, first)
-    opt2, sched2 = train.make_optimizer(fresh, 1e-4, 10, args)
+    opt2, sched2 = make_optimizer(fresh, 1e-4, 10, args.weight_decay, args.warmup_ratio)
     load_trainer_state(first, fresh, opt2, sched2, args, 0)
     for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), k
