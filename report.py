@@ -127,56 +127,68 @@ def mean(values):
     return sum(values) / len(values) if values else 0.0
 
 
-def plot_curves(rows, passes, before_after, path):
-    """curves.png: SFT loss; the RL rollouts' reward and EX per step and per pass over the practice set (a hollow
-    marker where the point holds the filter's own rollouts); before and after RL, the practice set's pass@1 and the
-    eval sets' greedy EX with 95 % intervals; turns per RL trajectory. Returns False without matplotlib."""
+def plot_curves(rows, passes, before_after, path, per_question=None):
+    """curves.png, two rows of three: SFT loss; the RL rollouts' reward and EX per step, and per pass over the practice
+    set (a hollow marker where a point holds the filter's own rollouts); before and after RL, the practice set's pass@1
+    and the eval sets' greedy EX with 95 % intervals; each practice question's pass@1 after SFT against after RL
+    (per_question: {id: {"sft": v, "rl": v}}); turns per RL trajectory. Returns False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    colour = {"reward": "C0", "ex": "C1", "schema": "C2", "sft": "C0", "rl": "C1"}  # one meaning per colour
     sft = [r for r in rows if r["stage"] == "sft" and "loss" in r]
     rl = [r for r in rows if r["stage"] == "rl" and "reward_full" in r]
     rl_steps = [r["step"] for r in rl]
-    fig, ax = plt.subplots(1, 5, figsize=(22, 3.8))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    ax = axes.flat
     ax[0].plot([r["step"] for r in sft], [r["loss"] for r in sft])
-    ax[0].set(title="SFT", xlabel="SFT step", ylabel="masked NLL per agent token")
+    ax[0].set(title="SFT: loss on the teacher's trajectories", xlabel="SFT step", ylabel="masked NLL per agent token")
     # markers: a one-step RL run draws no line
-    ax[1].plot(rl_steps, [r["reward_full"] for r in rl], "o-", label="reward (full track)")
+    ax[1].plot(rl_steps, [r["reward_full"] for r in rl], "o-", color=colour["reward"], label="reward (full track)")
     if rl and "reward_schema" in rl[0]:
-        ax[1].plot(rl_steps, [r["reward_schema"] for r in rl], "o-", label="reward (schema track)")
-    ax[1].plot(rl_steps, [r["ex"] for r in rl], "o-", label="EX of the rollouts")
-    reused = [r["step"] for r in rl if r.get("reused_filter_draws")]
-    if reused:
-        ax[1].plot(reused, [r["ex"] for r in rl if r.get("reused_filter_draws")], "o", mfc="white", color="gray",
-                   label="the filter's own rollouts")
-    ax[1].set(title="RL rollouts, mean per step (other questions each step)", xlabel="RL step", ylabel="reward / EX")
-    ax[1].legend(fontsize=8)
-    for key, label in (("ex", "EX"), ("reward", "reward")):
-        xs = [p["pass"] for p in passes]
-        ax[2].plot(xs, [p[key] for p in passes], "o-", label=label)
+        ax[1].plot(rl_steps, [r["reward_schema"] for r in rl], "o-", color=colour["schema"],
+                   label="reward (schema track)")
+    ax[1].plot(rl_steps, [r["ex"] for r in rl], "o-", color=colour["ex"], label="EX")
+    for r in rl:
+        if r.get("reused_filter_draws"):
+            ax[1].plot(r["step"], r["ex"], "o", mfc="white", color=colour["ex"])
+    ax[1].set(title="RL rollouts per step (other questions each step)", xlabel="RL step", ylabel="mean reward / EX")
+    ax[1].legend(fontsize=8, title="hollow: the filter's own rollouts", title_fontsize=7)
+    for key, label in (("reward", "reward"), ("ex", "EX")):
+        ax[2].plot([p["pass"] for p in passes], [p[key] for p in passes], "o-", color=colour[key], label=label)
         for p in passes:
             if p["reused"]:
-                ax[2].plot(p["pass"], p[key], "o", mfc="white", color="gray")
+                ax[2].plot(p["pass"], p[key], "o", mfc="white", color=colour[key])
     n = passes[0]["questions"] if passes else 0
-    ax[2].set(title=f"RL rollouts, mean per pass over the {n} practice questions", xlabel="pass",
-              ylabel="reward / EX")
+    ax[2].set(title=f"RL rollouts per pass over the {n} practice questions", xlabel="pass over the practice set",
+              ylabel="mean reward / EX")
     if passes:
         ax[2].set_xticks([p["pass"] for p in passes])
         ax[2].legend(fontsize=8, title="hollow: holds the filter's rollouts", title_fontsize=7)
     for i, (name, sides) in enumerate(before_after.items()):
         for j, (side, (value, low, high)) in enumerate(sides.items()):
             x = i + (j - 0.5) * 0.35
-            ax[3].bar(x, value, 0.35, color=f"C{j}", label=side if i == 0 else None)
+            label = f"after {side.upper()}" if i == 0 else None
+            ax[3].bar(x, value, 0.35, color=colour.get(side, f"C{j}"), label=label)
             ax[3].errorbar(x, value, [[value - low], [high - value]], color="black", capsize=3)
     ax[3].set_xticks(range(len(before_after)), list(before_after))
-    ax[3].set(title="after SFT and after RL (95 % intervals)", ylabel="pass@1 / greedy EX")
+    ax[3].set(title="after SFT and after RL (95 % intervals)", ylabel="practice pass@1 / greedy EX")
     if before_after:
         ax[3].legend(fontsize=8)
-    ax[4].plot(rl_steps, [r["turns"] for r in rl], "o-")
-    ax[4].set(title="RL rollouts", xlabel="RL step", ylabel="turns per trajectory")
+    counts = {}  # (sft, rl) -> how many questions sit there: pass@1 takes few values
+    for q in (per_question or {}).values():
+        counts[(q["sft"], q["rl"])] = counts.get((q["sft"], q["rl"]), 0) + 1
+    for (x, y), count in counts.items():
+        ax[4].scatter(x, y, s=60 * count, color="C2" if y > x else "C3" if y < x else "gray", alpha=0.6)
+        ax[4].annotate(str(count), (x, y), ha="center", va="center", fontsize=8)
+    ax[4].plot([0, 1], [0, 1], color="gray", lw=0.8)
+    ax[4].set(title="each practice question: above the line, RL helped", xlabel="pass@1 after SFT",
+              ylabel="pass@1 after RL", xlim=(-0.05, 1.05), ylim=(-0.05, 1.05))
+    ax[5].plot(rl_steps, [r["turns"] for r in rl], "o-")
+    ax[5].set(title="RL rollouts: turns per trajectory", xlabel="RL step", ylabel="turns")
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
@@ -275,7 +287,8 @@ def report(run_dir, evals, times, log, practice=None):
             before_after[name] = {tag: (ex[tag]["ex"], *ex[tag]["wilson_95"]) for tag in ex}
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     passes = practice_passes(read_jsonl(log.rollouts_path))
-    if plot_curves(log.rows(), passes, before_after, run_dir / "curves.png"):
+    per_question = stats["practice"]["questions"] if "practice" in stats else None
+    if plot_curves(log.rows(), passes, before_after, run_dir / "curves.png", per_question):
         print(f"wrote {run_dir / 'curves.png'}")
     results = {**evals, "intervals": stats, "practice_passes": passes, "seconds": times}
     (run_dir / "results.json").write_text(json.dumps(results, indent=1))
