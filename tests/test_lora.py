@@ -14,6 +14,7 @@ import lora
 import memory
 import train
 from checkpoint import latest_checkpoint
+from distributed import compile_layers
 from grpo import token_logprobs
 from model import load_model, refresh_sampler
 from sft import pad_batch, sft_loss
@@ -85,6 +86,27 @@ def test_adapters_get_gradients_under_non_reentrant_checkpointing(tiny):
     assert grads and all(g is not None for g in grads.values())
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)  # (A's is 0 while B is still 0)
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_adapters_added_after_compile_train_as_without_it(tiny):
+    # --compile compiles each decoder layer (distribute) before a stage adds its adapter: the compiled layers must
+    # run the Linear modules peft swapped in, and give the adapters the gradients they get uncompiled
+    rows = [(list(range(100, 130)), [0] * 10 + [1] * 20)]
+    ids, mask = pad_batch(rows, 0, "cpu")
+    grads = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(tiny[0])
+        if name == "compiled":
+            compile_layers(model, backend="aot_eager")  # autograd traced as inductor's is, without a C++ build
+            assert model.model.layers[0]._compiled_call_impl is not None
+        trained_adapter(model, seed=5)
+        model.train()
+        sft_loss(model, ids, mask, 20.0).backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
+    assert grads["compiled"].keys() == grads["eager"].keys() and grads["eager"]
+    for n, g in grads["eager"].items():
+        torch.testing.assert_close(grads["compiled"][n], g, rtol=1e-4, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in grads["compiled"].values())
 
 
 def test_the_memory_check_counts_the_adapters_not_the_weights(tiny):
