@@ -1,6 +1,6 @@
 """
-Command lines: every entry point (train.py, eval.py, rollout.py, bench.py, each prepare.py, data/teacher.py) reports
-a user's mistake as one line, `error: <what is wrong and what to do>`, exit status 2, before any work starts.
+Command lines: every entry point (train.py, eval.py, report.py, rollout.py, bench.py, each prepare.py, data/teacher.py)
+reports a user's mistake as one line, `error: <what is wrong and what to do>`, exit status 2, before any work starts.
 
     python train.py --group-size 0      # error: argument --group-size: must be an integer >= 1, got 0; see --help
 """

@@ -4,13 +4,16 @@ curves.png, and at the end the table of EX after each stage with its intervals, 
 after RL, the stage seconds and results.json.
 
     python train.py --model tiny --quick     # out/quick/: metrics.jsonl, rollouts.jsonl, curves.png, results.json
+    python report.py out/quick               # its summary again, and curves.png redrawn
 """
 import json
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
+from cli import ArgumentParser, UserError, die
 from eval import paired_bootstrap, wilson_interval
 
 # -----------------------------------------------------------------------------
@@ -60,8 +63,9 @@ class Logger:
         """The lines each log holds, for a checkpoint's state."""
         return {"log_lines": self.lines, "rollout_lines": self.rollout_lines}
 
-    def rows(self):
-        return read_jsonl(self.path)
+    def finish(self):
+        if self.wandb:
+            self.wandb.finish()
 
 
 @contextmanager
@@ -253,10 +257,11 @@ def ex_intervals(evals):
     return out
 
 
-def report(run_dir, evals, times, log, practice=None):
-    """The end of a train.py run: EX after each stage with 95 % intervals, RL's gain with a paired interval, the
-    practice set's pass@1 before and after RL with its paired interval and one question RL turned around, stage
-    seconds, results.json and curves.png."""
+def report(run_dir, evals, times, practice=None):
+    """The end of a train.py run, from its evaluations and the logs in run_dir: EX after each stage with 95 %
+    intervals, RL's gain with a paired interval, the practice set's pass@1 before and after RL with its paired
+    interval and one question RL turned around, stage seconds, results.json and curves.png."""
+    records = read_jsonl(run_dir / "rollouts.jsonl")
     names = list(next(iter(evals.values()), {}))
     stats = ex_intervals(evals)
     print("\n| checkpoint | " + " | ".join(f"{name} EX % [95 % CI]" for name in names) + " |\n"
@@ -278,7 +283,7 @@ def report(run_dir, evals, times, log, practice=None):
         print(f"practice set ({p['n']} training questions RL practised): pass@1 {p['sft']['pass1']:.2f} after SFT, "
               f"{p['rl']['pass1']:.2f} after RL; RL - SFT {p['gain']:+.2f} (95 % paired bootstrap [{lo:+.2f}, "
               f"{hi:+.2f}])")
-        for line in turned_around(read_jsonl(log.rollouts_path), p):
+        for line in turned_around(records, p):
             print(line)
         before_after["practice"] = {tag: (p[tag]["pass1"], *p[tag]["normal_95"]) for tag in ("sft", "rl")}
     for name in names:
@@ -286,11 +291,32 @@ def report(run_dir, evals, times, log, practice=None):
             ex = {tag: stats[tag][name] for tag in ("sft", "rl")}
             before_after[name] = {tag: (ex[tag]["ex"], *ex[tag]["wilson_95"]) for tag in ex}
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
-    passes = practice_passes(read_jsonl(log.rollouts_path))
+    passes = practice_passes(records)
     per_question = stats["practice"]["questions"] if "practice" in stats else None
-    if plot_curves(log.rows(), passes, before_after, run_dir / "curves.png", per_question):
+    if plot_curves(read_jsonl(run_dir / "metrics.jsonl"), passes, before_after, run_dir / "curves.png", per_question):
         print(f"wrote {run_dir / 'curves.png'}")
     results = {**evals, "intervals": stats, "practice_passes": passes, "seconds": times}
     (run_dir / "results.json").write_text(json.dumps(results, indent=1))
-    if log.wandb:
-        log.wandb.finish()
+
+
+def saved_report(run_dir):
+    """report()'s arguments from a finished run's results.json: `python report.py RUN_DIR` prints the run's summary
+    again and redraws its curves.png."""
+    path = Path(run_dir) / "results.json"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: give a train.py run folder that finished (out/<run-name>)")
+    results = json.loads(path.read_text())
+    evals = {tag: results[tag] for tag in ("sft", "rl") if tag in results}
+    questions = results["intervals"].get("practice", {}).get("questions", {})
+    practice = {tag: {q: v[tag] for q, v in questions.items()} for tag in ("sft", "rl")} if questions else None
+    return Path(run_dir), evals, results["seconds"], practice
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("run_dir", help="a finished train.py run's folder, e.g. out/demo")
+    try:
+        report(*saved_report(parser.parse_args().run_dir))
+    except UserError as e:
+        die(e)

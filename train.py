@@ -326,7 +326,8 @@ def main(argv=None):
 
         # --- report: the EX table, stage seconds, results.json and curves.png
         if master:
-            report(run_dir, state["evals"], times, log, state["practice"])
+            report(run_dir, state["evals"], times, state["practice"])
+        log.finish()
         return state
     finally:
         if protocol != base_protocol:  # leave the registry as we found it (in-process callers, tests)

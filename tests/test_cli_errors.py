@@ -73,6 +73,7 @@ CASES = [  # the issue's list first, then one case for each other entry point
     ("data/spider/prepare.py", ["--spider-dir", "no/such/dir"], "Spider folder not found"),
     ("data/synsql/prepare.py", ["--synsql-dir", ".", "--limit", "-5"], "--limit: must be an integer >= 1"),
     ("bench.py", ["bogus"], "invalid choice: 'bogus'"),
+    ("report.py", ["no/such/run"], "no/such/run/results.json does not exist: give a train.py run folder"),
 ]
 
 

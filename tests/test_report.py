@@ -4,7 +4,10 @@
 """
 import json
 
+import pytest
+
 import report
+from cli import UserError
 
 
 def test_curves_draw_a_run_with_one_rl_step(tmp_path):
@@ -15,7 +18,7 @@ def test_curves_draw_a_run_with_one_rl_step(tmp_path):
             {"stage": "rl", "step": 1, "gstep": 3, "reward_full": 0.4, "ex": 0.3, "turns": 5.5}]
     assert report.plot_curves(rows, [], {}, tmp_path / "curves.png")
     img = imread(tmp_path / "curves.png")[:, :, :3]  # (H, W, 3) in [0, 1]
-    turns_panel = img[:, img.shape[1] * 4 // 5:]
+    turns_panel = img[img.shape[0] // 2:, img.shape[1] * 2 // 3:]  # bottom right
     blue = (abs(turns_panel - [31 / 255, 119 / 255, 180 / 255]).max(-1) < 0.05).sum()  # matplotlib's first color
     assert blue > 20
 
@@ -26,8 +29,7 @@ def test_the_end_of_run_table_gives_intervals_and_rls_paired_gain(tmp_path, caps
     rl = {i: i < 5 for i in range(10)}
     evals = {"sft": {"dev": {"ex": 0.3, "n": 10, "turns": 3.0, "correct": sft}},
              "rl": {"dev": {"ex": 0.5, "n": 10, "turns": 3.0, "correct": rl}}}
-    log = report.Logger(tmp_path, type("Args", (), {"resume": False, "wandb": False})(), 0, 0)
-    report.report(tmp_path, evals, {"sft": 1.0}, log)
+    report.report(tmp_path, evals, {"sft": 1.0})
     out = capsys.readouterr().out
     assert "| SFT | 30.0 [11, 60] |" in out and "| SFT + RL | 50.0 [24, 76] |" in out
     stats = json.loads((tmp_path / "results.json").read_text())["intervals"]["rl_minus_sft"]["dev"]
@@ -48,7 +50,7 @@ def test_the_practice_summary_gives_its_paired_gain_and_a_question_rl_turned_aro
     log.rollouts([practice_record(q, tag, j, j < n) for (q, tag), n in right.items() for j in range(4)])
     log.rollouts([practice_record(q, None, 0, q == "a" or step == 2, step) for step in (1, 2) for q in "abc"])
     practice = {tag: {q: right[(q, tag)] / 4 for q in "abc"} for tag in ("sft", "rl")}
-    report.report(tmp_path, {}, {}, log, practice)
+    report.report(tmp_path, {}, {}, practice)
     out = capsys.readouterr().out
     assert "practice set (3 training questions RL practised): pass@1 0.42 after SFT, 0.58 after RL; RL - SFT +0.17" \
         in out
@@ -58,6 +60,15 @@ def test_the_practice_summary_gives_its_paired_gain_and_a_question_rl_turned_aro
     assert results["intervals"]["practice"]["questions"]["c"] == {"sft": 0.5, "rl": 0.25}
     assert [round(p["ex"], 2) for p in results["practice_passes"]] == [0.33, 1.0]  # every question at each visit
     assert (tmp_path / "curves.png").exists()
+    (tmp_path / "curves.png").unlink()
+    report.report(*report.saved_report(tmp_path))  # python report.py RUN_DIR: the same summary from the saved run
+    assert capsys.readouterr().out == out
+    assert json.loads((tmp_path / "results.json").read_text()) == results and (tmp_path / "curves.png").exists()
+
+
+def test_report_py_needs_a_finished_run(tmp_path):
+    with pytest.raises(UserError, match="does not exist: give a train.py run folder that finished"):
+        report.saved_report(tmp_path)
 
 
 def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch):
