@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cli import ArgumentParser, UserError, die
+from cli import ArgumentParser, UserError, run
 from eval import paired_bootstrap, wilson_interval
 
 # -----------------------------------------------------------------------------
@@ -312,11 +312,14 @@ def saved_report(run_dir):
     return Path(run_dir), evals, results["seconds"], practice
 
 # -----------------------------------------------------------------------------
+# python report.py RUN_DIR
 
-if __name__ == "__main__":
+
+def main(argv=None):
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("run_dir", help="a finished train.py run's folder, e.g. out/demo")
-    try:
-        report(*saved_report(parser.parse_args().run_dir))
-    except UserError as e:
-        die(e)
+    report(*saved_report(parser.parse_args(argv).run_dir))
+
+
+if __name__ == "__main__":
+    run(main)
